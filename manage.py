@@ -1,0 +1,12 @@
+#!/usr/bin/env python
+import os
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    # platform/ is a source root, not a package: `platform` stays the standard-library module.
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "platform"))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "loom.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(sys.argv)

@@ -1,0 +1,16 @@
+from django.core.management.base import BaseCommand
+
+from loom.accounts.services import create_api_token, ensure_user
+
+
+class Command(BaseCommand):
+    help = "Create a user (if missing) and print a new API token for scripts."
+
+    def add_arguments(self, parser):
+        parser.add_argument("username")
+        parser.add_argument("--password", help="Also set this password for logging in to the pages.")
+        parser.add_argument("--token-name", default="cli")
+
+    def handle(self, *args, username, password, token_name, **options):
+        user = ensure_user(username, password)
+        self.stdout.write(create_api_token(user, token_name))

@@ -1,0 +1,10 @@
+from ninja import NinjaAPI
+
+from loom.runs.api import router as runs_router
+from loom.telemetry.api import router as telemetry_router
+
+from .auth import user_auth
+
+api = NinjaAPI(title="loom", version="1", auth=user_auth, urls_namespace="api")
+api.add_router("/", runs_router)
+api.add_router("/", telemetry_router)

@@ -1,0 +1,128 @@
+from datetime import datetime
+from typing import Any
+
+from ninja import Router, Schema, Status
+from ninja.errors import HttpError
+
+from loom.telemetry.services import events_after
+
+from . import services
+from .logs import rank_log_files, tail_lines
+
+router = Router(tags=["runs"])
+
+
+class RunIn(Schema):
+    name: str | None = None
+    config: Any = None
+
+
+class AttemptOut(Schema):
+    number: int
+    state: str
+    exit_code: int | None
+    failure_reason: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class RunOut(Schema):
+    id: int
+    name: str
+    state: str
+    created_at: datetime
+    updated_at: datetime
+    last_seq: int
+
+
+class RunDetailOut(RunOut):
+    config: dict
+    attempts: list[AttemptOut]
+
+    @staticmethod
+    def resolve_attempts(run):
+        return list(run.attempts.all())
+
+
+class FieldErrors(Schema):
+    errors: dict[str, str]
+
+
+class Message(Schema):
+    detail: str
+
+
+class EventOut(Schema):
+    seq: int
+    kind: str
+    attempt: int | None
+    rank: int | None
+    step: int | None
+    time: float
+    payload: dict
+
+
+class EventPage(Schema):
+    events: list[EventOut]
+    last_seq: int
+    more: bool
+
+
+class LogTail(Schema):
+    rank: int
+    attempt: int
+    files: dict[str, list[str]]
+
+
+@router.post("/runs", response={201: RunDetailOut, 400: FieldErrors})
+def create_run(request, body: RunIn):
+    """Create a run from a name and a run-config document and queue its first attempt."""
+    try:
+        run = services.create_run(request.user, body.name, body.config)
+    except services.RunInputError as error:
+        return Status(400, {"errors": error.errors})
+    return Status(201, run)
+
+
+@router.get("/runs", response=list[RunOut])
+def list_runs(request):
+    return list(services.runs_for(request.user)[:500])
+
+
+@router.get("/runs/{run_id}", response=RunDetailOut)
+def run_detail(request, run_id: int):
+    return services.run_for(request.user, run_id)
+
+
+@router.get("/runs/{run_id}/events", response=EventPage)
+def run_events(request, run_id: int, after: int = 0, limit: int = 1000):
+    """Events with seq > after, oldest first: the REST snapshot a page resyncs from."""
+    run = services.run_for(request.user, run_id)
+    limit = max(1, min(limit, 5000))
+    events = events_after(run, after, limit)
+    last = events[-1].seq if events else after
+    return {"events": [event.as_wire() for event in events], "last_seq": run.last_seq, "more": last < run.last_seq}
+
+
+@router.post("/runs/{run_id}/cancel", response={202: RunDetailOut, 409: Message})
+def cancel_run(request, run_id: int):
+    run = services.run_for(request.user, run_id)
+    try:
+        return Status(202, services.cancel_run(run))
+    except services.RunConflict as error:
+        return Status(409, {"detail": str(error)})
+
+
+@router.get("/runs/{run_id}/attempts/{number}/logs/{rank}", response=LogTail)
+def rank_logs(request, run_id: int, number: int, rank: int, lines: int = 200):
+    """The tail of what a rank printed (stdout and stderr, as torchrun captured them)."""
+    run = services.run_for(request.user, run_id)
+    attempt = run.attempts.filter(number=number).first()
+    if attempt is None or not 0 <= rank < run.config["parallel"]["dp"]:
+        raise HttpError(404, "no such attempt or rank")
+    lines = max(1, min(lines, 5000))
+    files = {}
+    if attempt.work_dir:
+        files = {path.name: tail_lines(path, lines) for path in rank_log_files(attempt.work_dir, rank)}
+    return {"rank": rank, "attempt": number, "files": files}

@@ -1,0 +1,96 @@
+"""The new-run form: the config fields a user sets on the page, labelled and explained by the schema."""
+
+from django import forms
+
+from trainer.config import RunConfig
+
+from . import services
+
+# (section heading, [(config path, label)]): the subset of the run config the page asks for;
+# everything else keeps its schema default.
+CONFIG_SECTIONS = [
+    ("Training", [("steps", "Steps")]),
+    (
+        "Model",
+        [
+            ("model.layers", "Layers"),
+            ("model.dim", "Hidden size (dim)"),
+            ("model.heads", "Attention heads"),
+            ("model.kv_heads", "Key/value heads"),
+            ("model.ffn", "Feed-forward size"),
+            ("model.seq_len", "Sequence length"),
+        ],
+    ),
+    ("Parallelism", [("parallel.dp", "Ranks (data parallel)")]),
+    ("Optimizer", [("optimizer.lr", "Learning rate"), ("optimizer.warmup_steps", "Warmup steps")]),
+    ("Data", [("data.micro_batch", "Micro-batch"), ("data.corpus_bytes", "Corpus bytes")]),
+]
+
+CONFIG_PATHS = frozenset(path for _, inputs in CONFIG_SECTIONS for path, _ in inputs)
+
+
+def schema_field(path: str):
+    """The pydantic FieldInfo behind a dotted config path such as "model.heads"."""
+    section_model = RunConfig
+    *sections, name = path.split(".")
+    for section in sections:
+        section_model = section_model.model_fields[section].annotation
+    return section_model.model_fields[name]
+
+
+def config_input(path: str, label: str) -> forms.CharField:
+    """A text input, not a number input: the raw text goes to the schema, the one place that
+    decides what is valid, so "abc" or "1.5" for an integer gets the schema's own message."""
+    field = schema_field(path)
+    input_mode = "numeric" if field.annotation is int else "decimal"
+    return forms.CharField(
+        label=label,
+        required=False,
+        initial=str(field.default),
+        help_text=field.description,
+        widget=forms.TextInput(attrs={"inputmode": input_mode, "autocomplete": "off"}),
+    )
+
+
+class NewRunForm(forms.Form):
+    """Every input is optional text here; validation is services.validate_run_input's alone."""
+
+    name = forms.CharField(label="Name", required=False, widget=forms.TextInput(attrs={"autofocus": True}))
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for _, inputs in CONFIG_SECTIONS:
+            for path, label in inputs:
+                self.fields[path] = config_input(path, label)
+
+    def sections(self):
+        """(heading, bound fields) for the template to lay out as fieldsets."""
+        return [(heading, [self[path] for path, _ in inputs]) for heading, inputs in CONFIG_SECTIONS]
+
+    def config_document(self) -> dict:
+        """The nested run-config document built from the config inputs, values as typed."""
+        document: dict = {}
+        for path in CONFIG_PATHS:
+            *sections, name = path.split(".")
+            target = document
+            for section in sections:
+                target = target.setdefault(section, {})
+            target[name] = self.cleaned_data[path]
+        return document
+
+    def clean(self):
+        try:
+            services.validate_run_input(self.cleaned_data["name"], self.config_document())
+        except services.RunInputError as error:
+            for key, message in error.errors.items():
+                field = input_for(key)
+                self.add_error(field, message if field else f"{key}: {message}")
+        return self.cleaned_data
+
+
+def input_for(error_key: str) -> str | None:
+    """The input a service error belongs to ("config.model.heads" → "model.heads"); None shows it atop the form."""
+    if error_key == "name":
+        return "name"
+    path = error_key.removeprefix("config.")
+    return path if path in CONFIG_PATHS else None

@@ -1,0 +1,180 @@
+"""Launch an attempt as a torchrun process group and supervise it until it ends.
+
+The launcher reports every state change through the ingest API as rank -1, the same path the
+ranks use, so the browser learns about it the one way it learns about everything.
+"""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from django.conf import settings
+
+from loom.accounts.tokens import hash_token, mint_token
+from trainer.telemetry import TelemetryClient, deliver_spool
+
+from . import states
+from .logs import rank_log_files, tail_lines
+from .models import Attempt
+from .services import mirror_on_run, move_attempt
+
+log = logging.getLogger(__name__)
+
+LAUNCHER_RANK = -1
+DELIVERY_DEADLINE_S = 120.0
+FAILURE_TAIL_LINES = 30
+
+
+def claim_attempt(attempt_id: int) -> tuple[Attempt, str] | None:
+    """Atomically move a queued attempt to starting and mint its token; None if already taken."""
+    token = mint_token("attempt")
+    claimed = Attempt.objects.filter(pk=attempt_id, state=states.QUEUED, token_hash="").update(
+        state=states.STARTING, token_hash=hash_token(token)
+    )
+    if not claimed:
+        return None
+    attempt = Attempt.objects.select_related("run").get(pk=attempt_id)
+    mirror_on_run(attempt)
+    return attempt, token
+
+
+def work_dir_for(attempt: Attempt) -> Path:
+    return Path(settings.LOOM_RUNS_DIR) / f"run-{attempt.run_id}" / f"attempt-{attempt.number}"
+
+
+def launch(attempt_id: int) -> str:
+    claimed = claim_attempt(attempt_id)
+    if claimed is None:
+        log.info("attempt %s is not queued any more; this delivery does nothing", attempt_id)
+        return "skipped"
+    attempt, token = claimed
+    work_dir = work_dir_for(attempt)
+    (work_dir / "logs").mkdir(parents=True, exist_ok=True)
+    Attempt.objects.filter(pk=attempt.pk).update(work_dir=str(work_dir))
+    reporter = TelemetryClient(
+        url=settings.LOOM_URL,
+        token=token,
+        attempt=attempt.pk,
+        rank=LAUNCHER_RANK,
+        spool_dir=work_dir / "launcher-spool",
+        flush_interval_s=0.1,
+        heartbeat_interval_s=None,
+    )
+    reporter.emit("state", {"attempt": attempt.number, "state": states.STARTING})
+    try:
+        process = _spawn(attempt, token, work_dir)
+    except OSError as error:
+        return _finish(reporter, attempt, work_dir, token, states.FAILED, None, f"could not start torchrun: {error}")
+    reporter.emit("state", {"attempt": attempt.number, "state": states.RUNNING, "pid": process.pid})
+    exit_code, cancelled = _supervise(process, attempt.pk)
+    outcome, reason = _outcome(exit_code, cancelled, work_dir, attempt.run.config["parallel"]["dp"])
+    return _finish(reporter, attempt, work_dir, token, outcome, exit_code, reason)
+
+
+def _spawn(attempt: Attempt, token: str, work_dir: Path) -> subprocess.Popen:
+    config_path = work_dir / "config.json"
+    config_path.write_text(json.dumps(attempt.run.config, indent=2))
+    world_size = attempt.run.config["parallel"]["dp"]
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc_per_node={world_size}",
+        "--log-dir", str(work_dir / "logs"), "--redirects", "3",
+        "-m", "trainer.train", "--config", str(config_path),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "LOOM_URL": settings.LOOM_URL,
+        "LOOM_TOKEN": token,
+        "LOOM_ATTEMPT": str(attempt.pk),
+        "LOOM_SPOOL_DIR": str(work_dir / "spool"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    with open(work_dir / "logs" / "launcher.log", "ab") as launcher_log:
+        # A session of its own makes the whole tree (torchrun and every rank) one process group to stop.
+        return subprocess.Popen(
+            command, cwd=work_dir, env=env, stdout=launcher_log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _supervise(process: subprocess.Popen, attempt_id: int) -> tuple[int, bool]:
+    """Wait for the process group to end; stop it when the user cancels. Returns (exit code, cancelled)."""
+    while True:
+        try:
+            return process.wait(timeout=0.5), False
+        except subprocess.TimeoutExpired:
+            pass
+        if Attempt.objects.filter(pk=attempt_id, cancel_requested=True).exists():
+            return stop_process_group(process, settings.LOOM_CANCEL_GRACE_S), True
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float) -> int:
+    """SIGTERM the group (ranks save and flush telemetry), SIGKILL whatever is left after grace_s."""
+    _signal_group(process.pid, signal.SIGTERM)
+    try:
+        exit_code = process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(process.pid, signal.SIGKILL)
+        exit_code = process.wait()
+    deadline = time.monotonic() + grace_s
+    while _group_alive(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _signal_group(process.pid, signal.SIGKILL)
+    return exit_code
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _outcome(exit_code: int, cancelled: bool, work_dir: Path, world_size: int) -> tuple[str, str]:
+    if cancelled:
+        return states.CANCELLED, "cancelled by user"
+    if exit_code == 0:
+        return states.SUCCEEDED, ""
+    return states.FAILED, f"torchrun exited with code {exit_code}\n" + _failure_tail(work_dir, world_size)
+
+
+def _failure_tail(work_dir: Path, world_size: int) -> str:
+    """The end of the first rank's stderr that holds a traceback, else of the launcher's log."""
+    for rank in range(world_size):
+        for path in rank_log_files(work_dir, rank):
+            if path.name == "stderr.log":
+                lines = tail_lines(path, FAILURE_TAIL_LINES)
+                if any("Traceback" in line or "Error" in line for line in lines):
+                    return f"rank {rank} stderr:\n" + "\n".join(lines)
+    launcher_log = work_dir / "logs" / "launcher.log"
+    return "\n".join(tail_lines(launcher_log, FAILURE_TAIL_LINES)) if launcher_log.exists() else ""
+
+
+def _finish(reporter, attempt, work_dir, token, outcome: str, exit_code: int | None, reason: str) -> str:
+    """Deliver what ranks left spooled, then the final state; record the end directly if unreachable."""
+    ranks_left = deliver_spool(work_dir / "spool", settings.LOOM_URL, token, DELIVERY_DEADLINE_S)
+    final = {"attempt": attempt.number, "state": outcome, "exit_code": exit_code, "reason": reason}
+    reporter.emit("state", final)
+    launcher_left = reporter.close(DELIVERY_DEADLINE_S)
+    if ranks_left or launcher_left:
+        log.error(
+            "%s: %d rank and %d launcher batches could not be delivered; they stay spooled under %s",
+            attempt, ranks_left, launcher_left, work_dir,
+        )  # fmt: skip
+        # The run must not look alive forever; the spooled events still carry the same final state.
+        attempt.refresh_from_db()
+        if attempt.state != outcome:
+            move_attempt(attempt, outcome, exit_code=exit_code, reason=reason)
+    return outcome

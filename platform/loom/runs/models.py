@@ -1,0 +1,49 @@
+from django.conf import settings
+from django.db import models
+
+from . import states
+
+
+class Run(models.Model):
+    """A training job as the user asked for it; each launch of it is an Attempt."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="runs")
+    name = models.CharField(max_length=200)
+    config = models.JSONField()
+    state = models.CharField(max_length=20, choices=states.CHOICES, default=states.QUEUED)
+    # The highest event seq handed out; events take seq numbers under a row lock on the run.
+    last_seq = models.BigIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["owner", "-created_at"])]
+
+    def __str__(self) -> str:
+        return f"run {self.pk} {self.name}"
+
+
+class Attempt(models.Model):
+    """One launch of a run as a torchrun process group."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    state = models.CharField(max_length=20, choices=states.CHOICES, default=states.QUEUED)
+    # SHA-256 of the per-attempt token the launcher minted when it claimed the attempt;
+    # empty until then, which is also what makes claiming idempotent.
+    token_hash = models.CharField(max_length=64, blank=True, db_index=True)
+    cancel_requested = models.BooleanField(default=False)
+    exit_code = models.IntegerField(null=True, blank=True)
+    failure_reason = models.TextField(blank=True)
+    work_dir = models.CharField(max_length=500, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run", "number"]
+        constraints = [models.UniqueConstraint(fields=["run", "number"], name="attempt_number_unique_per_run")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} attempt {self.number}"

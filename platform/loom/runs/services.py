@@ -1,0 +1,114 @@
+"""Run business rules: creating, cancelling and moving attempts through their states."""
+
+from django.db import transaction
+from django.http import Http404
+from django.utils import timezone
+
+from trainer.config import ConfigError, parse_config
+
+from . import states
+from .models import Attempt, Run
+
+
+class RunInputError(ValueError):
+    """Bad user input; `errors` maps field paths ("name", "config.model.heads") to messages."""
+
+    def __init__(self, errors: dict[str, str]):
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+        self.errors = errors
+
+
+class RunConflict(ValueError):
+    pass
+
+
+def validate_run_input(name, document) -> tuple[str, dict]:
+    errors: dict[str, str] = {}
+    if not isinstance(name, str) or not name.strip():
+        errors["name"] = "is required"
+    elif len(name.strip()) > 200:
+        errors["name"] = "must be at most 200 characters"
+    config = None
+    try:
+        config = parse_config(document)
+    except ConfigError as error:
+        errors.update({f"config.{field}": message for field, message in error.errors.items()})
+    if errors:
+        raise RunInputError(errors)
+    return name.strip(), config.model_dump(mode="json")
+
+
+def create_run(owner, name, document) -> Run:
+    """Validate, store the run with its first attempt, and queue the launch once committed."""
+    from loom.runs.tasks import launch_attempt
+    from loom.telemetry.services import record_platform_event
+
+    clean_name, config = validate_run_input(name, document)
+    with transaction.atomic():
+        run = Run.objects.create(owner=owner, name=clean_name, config=config)
+        attempt = Attempt.objects.create(run=run, number=1)
+        record_platform_event(run, attempt, "state", {"state": states.QUEUED, "attempt": attempt.number})
+        # robust: an unreachable broker must not turn a stored run into an error response.
+        transaction.on_commit(lambda: launch_attempt.delay(attempt.pk), robust=True)
+    return run
+
+
+def runs_for(user):
+    return Run.objects.filter(owner=user)
+
+
+def run_for(user, run_id: int) -> Run:
+    """The user's run, or 404: someone else's run is indistinguishable from a missing one."""
+    run = Run.objects.filter(owner=user, pk=run_id).first()
+    if run is None:
+        raise Http404("no such run")
+    return run
+
+
+def latest_attempt(run: Run) -> Attempt:
+    return run.attempts.order_by("-number").first()
+
+
+def cancel_run(run: Run) -> Run:
+    """Cancel the latest attempt: at once if it has not started, else ask its launcher to stop it."""
+    from loom.telemetry.services import record_platform_event
+
+    with transaction.atomic():
+        attempt = Attempt.objects.select_for_update().get(pk=latest_attempt(run).pk)
+        if attempt.state in states.TERMINAL:
+            raise RunConflict(f"run already {attempt.state}")
+        if attempt.state == states.CANCELLING:
+            return run
+        target = states.CANCELLED if attempt.state == states.QUEUED else states.CANCELLING
+        attempt.cancel_requested = True
+        attempt.save(update_fields=["cancel_requested"])
+        move_attempt(attempt, target, reason="cancelled by user")
+        record_platform_event(run, attempt, "state", {"state": target, "attempt": attempt.number})
+    run.refresh_from_db()
+    return run
+
+
+def move_attempt(attempt: Attempt, target: str, *, exit_code=None, reason: str = "") -> None:
+    """Apply a state transition to an attempt and mirror it on its run if it is the latest."""
+    states.check_transition(attempt.state, target)
+    attempt.state = target
+    fields = ["state"]
+    now = timezone.now()
+    if target == states.RUNNING and attempt.started_at is None:
+        attempt.started_at = now
+        fields.append("started_at")
+    if target in states.TERMINAL:
+        attempt.finished_at = now
+        attempt.exit_code = exit_code
+        fields += ["finished_at", "exit_code"]
+    if reason and target != states.SUCCEEDED:
+        attempt.failure_reason = reason[:4000]
+        fields.append("failure_reason")
+    attempt.save(update_fields=fields)
+    mirror_on_run(attempt)
+
+
+def mirror_on_run(attempt: Attempt) -> None:
+    """A run's state is its latest attempt's state."""
+    if not Attempt.objects.filter(run_id=attempt.run_id, number__gt=attempt.number).exists():
+        Run.objects.filter(pk=attempt.run_id).update(state=attempt.state, updated_at=timezone.now())

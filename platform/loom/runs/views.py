@@ -1,0 +1,47 @@
+"""The run pages. Thin: services decide, templates show, frontend/static/run.js keeps the run page live."""
+
+from django.contrib.auth.decorators import login_required
+from django.shortcuts import redirect, render
+from django.urls import reverse
+
+from . import services, states
+from .forms import NewRunForm
+
+
+@login_required
+def run_list(request):
+    return render(request, "runs/list.html", {"runs": services.runs_for(request.user)})
+
+
+@login_required
+def new_run(request):
+    if request.method != "POST":
+        return render(request, "runs/new.html", {"form": NewRunForm()})
+    form = NewRunForm(request.POST)
+    if not form.is_valid():
+        return render(request, "runs/new.html", {"form": form}, status=400)
+    run = services.create_run(request.user, form.cleaned_data["name"], form.config_document())
+    return redirect("run-detail", run_id=run.pk)
+
+
+@login_required
+def run_detail(request, run_id: int):
+    run = services.run_for(request.user, run_id)
+    page = {
+        "runId": run.pk,
+        "state": run.state,
+        "ranks": run.config["parallel"]["dp"],
+        "attempt": services.latest_attempt(run).number,
+        "apiUrl": reverse("api:run_detail", args=[run.pk]),
+        "socketPath": f"/ws/runs/{run.pk}/",
+        "terminalStates": sorted(states.TERMINAL),
+        "cancellableStates": sorted(states.ACTIVE - {states.CANCELLING}),
+    }
+    context = {
+        "run": run,
+        "attempts": run.attempts.all(),
+        "ranks": range(page["ranks"]),
+        "cancellable": run.state in page["cancellableStates"],
+        "page": page,
+    }
+    return render(request, "runs/detail.html", context)

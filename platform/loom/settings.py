@@ -1,0 +1,148 @@
+"""Django settings. Embedded defaults for one machine; DATABASE_URL and REDIS_URL switch to services."""
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import plotly
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOOM_HOME = Path(os.environ.get("LOOM_HOME", REPO_ROOT / "var"))
+LOOM_HOME.mkdir(parents=True, exist_ok=True)
+
+SECRET_KEY = os.environ.get("LOOM_SECRET_KEY", "loom-embedded-default-not-for-production")
+DEBUG = os.environ.get("LOOM_DEBUG", "1") == "1"
+ALLOWED_HOSTS = os.environ.get("LOOM_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",")
+CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("LOOM_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "loom.accounts",
+    "loom.runs",
+    "loom.telemetry",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "loom.urls"
+ASGI_APPLICATION = "loom.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [REPO_ROOT / "frontend" / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def database_from_url(url: str) -> dict:
+    """postgresql://user:password@host:port/name → Django's DATABASES entry (psycopg 3)."""
+    parts = urlparse(url)
+    if parts.scheme not in ("postgres", "postgresql"):
+        raise ValueError(f"DATABASE_URL must be postgresql://…, got scheme {parts.scheme!r}")
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": unquote(parts.path.lstrip("/")),
+        "USER": unquote(parts.username or ""),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": parts.hostname or "",
+        "PORT": str(parts.port or ""),
+        "CONN_MAX_AGE": 0,
+    }
+
+
+if os.environ.get("DATABASE_URL"):
+    DATABASES = {"default": database_from_url(os.environ["DATABASE_URL"])}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": LOOM_HOME / "loom.sqlite3",
+            # Web, worker and ranks' ingest write concurrently: take the write lock up front
+            # and wait for it rather than failing with "database is locked".
+            "OPTIONS": {"timeout": 30, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"},
+            "TEST": {"NAME": LOOM_HOME / "test-loom.sqlite3"},
+        }
+    }
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+AUTH_PASSWORD_VALIDATORS = []
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATIC_ROOT = LOOM_HOME / "static"
+STATICFILES_DIRS = [
+    REPO_ROOT / "frontend" / "static",
+    # Plotly.js is served from the plotly package's own bundle: no Node build step.
+    ("plotly", Path(plotly.__file__).parent / "package_data"),
+]
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+REDIS_URL = os.environ.get("REDIS_URL", "")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+    }
+    CELERY_BROKER_URL = REDIS_URL
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CELERY_BROKER_URL = "filesystem://"
+    (LOOM_HOME / "broker").mkdir(exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(LOOM_HOME / "broker"),
+        "data_folder_out": str(LOOM_HOME / "broker"),
+        "processed_folder": str(LOOM_HOME / "broker-processed"),
+        "store_processed": False,
+    }
+
+# A launch task runs for as long as training does (hours). It is acknowledged on receipt, so
+# Redis never re-delivers it when its visibility timeout runs out; launching is idempotent by
+# database state anyway (see loom.runs.launcher.claim_attempt).
+CELERY_TASK_ACKS_LATE = False
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# Where the launcher tells ranks to send telemetry: this platform's own ingest API.
+LOOM_URL = os.environ.get("LOOM_URL", "http://127.0.0.1:8000")
+LOOM_RUNS_DIR = Path(os.environ.get("LOOM_RUNS_DIR", LOOM_HOME / "runs"))
+LOOM_INGEST_MAX_BYTES = 1024 * 1024
+LOOM_INGEST_MAX_EVENTS = 5000
+LOOM_CANCEL_GRACE_S = float(os.environ.get("LOOM_CANCEL_GRACE_S", "10"))
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"loom": {"handlers": ["console"], "level": "INFO"}},
+}

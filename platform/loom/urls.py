@@ -1,0 +1,8 @@
+from django.urls import include, path
+
+from loom.api.urls import api
+
+urlpatterns = [
+    path("api/", api.urls),
+    path("", include("loom.runs.page_urls")),
+]

@@ -1,0 +1,114 @@
+"""Shared fixtures: the real platform (uvicorn + Channels) and a real Celery worker, in threads of the
+test process so they share the test database. PostgreSQL/Redis when DATABASE_URL/REDIS_URL are set."""
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+from celery.contrib.testing.worker import start_worker
+
+from loom.accounts.services import create_api_token, ensure_user
+from loom.celery import app as celery_app
+from loom.runs import states
+from loom.runs.models import Attempt
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PlatformServer:
+    """The real ASGI application under uvicorn, in a thread."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config("loom.asgi:application", host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{port}", daemon=True)
+
+    def start(self) -> "PlatformServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@dataclass
+class LivePlatform:
+    url: str
+    server: PlatformServer
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2, message: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+
+
+def stop_active_attempts() -> None:
+    """Ask every launcher still supervising a run to stop it, and wait until they have."""
+    Attempt.objects.filter(state__in=states.ACTIVE).update(cancel_requested=True)
+    wait_for(
+        lambda: not Attempt.objects.filter(state__in=[states.STARTING, states.RUNNING, states.CANCELLING]).exists(),
+        timeout=60,
+        message="active attempts to stop",
+    )
+
+
+@pytest.fixture
+def runs_dir(settings, tmp_path):
+    settings.LOOM_RUNS_DIR = tmp_path / "runs"
+    return settings.LOOM_RUNS_DIR
+
+
+@pytest.fixture
+def platform_server(transactional_db, settings, runs_dir):
+    """The web platform alone (pages, API, ingest, websockets), serving the test database."""
+    server = PlatformServer(free_port()).start()
+    settings.LOOM_URL = server.url
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def live_platform(platform_server, settings):
+    """The web platform plus a real Celery worker that launches real torchrun attempts."""
+    settings.LOOM_CANCEL_GRACE_S = 5.0
+    with start_worker(celery_app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"):
+        yield LivePlatform(url=platform_server.url, server=platform_server)
+        stop_active_attempts()
+
+
+@pytest.fixture
+def platform_user(db):
+    password = "correct horse battery staple"
+    return ensure_user("ada", password), password
+
+
+@pytest.fixture
+def other_user(db):
+    return ensure_user("mallory", "another password")
+
+
+@pytest.fixture
+def token_for():
+    return lambda user: create_api_token(user, "tests")

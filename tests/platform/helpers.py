@@ -1,0 +1,39 @@
+"""Building blocks for platform tests: real runs and attempts in the test database."""
+
+import time
+
+from loom.runs.launcher import claim_attempt
+from loom.runs.models import Run
+from loom.runs.services import create_run
+
+TINY_CONFIG = {
+    "steps": 20,
+    "model": {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 172, "seq_len": 64},
+    "parallel": {"dp": 2},
+    "optimizer": {"lr": 0.003, "warmup_steps": 2},
+    "data": {"micro_batch": 4, "corpus_bytes": 300000},
+    "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 1.0},
+}
+
+
+def claimed_run(owner, name="claimed", config=None):
+    """A run whose first attempt is claimed as a launcher would, returning (run, attempt, token)."""
+    run = create_run(owner, name, config or TINY_CONFIG)
+    attempt, token = claim_attempt(run.attempts.get().pk)
+    return run, attempt, token
+
+
+def batch(attempt, rank=0, seq=0, steps=(1, 2, 3)):
+    return {
+        "attempt": attempt.pk,
+        "rank": rank,
+        "seq": seq,
+        "events": [
+            {"kind": "metric", "time": time.time(), "step": step, "payload": {"loss": 5.0 - step / 10}}
+            for step in steps
+        ],
+    }
+
+
+def event_count(run: Run, **filters) -> int:
+    return run.events.filter(**filters).count()

@@ -1,0 +1,142 @@
+import json
+
+import pytest
+
+from loom.runs import states
+from loom.runs.models import Run
+
+from .helpers import TINY_CONFIG, claimed_run
+
+pytestmark = pytest.mark.django_db
+
+
+def api(client, method, path, token=None, body=None):
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
+    kwargs = {"data": json.dumps(body), "content_type": "application/json"} if body is not None else {}
+    return getattr(client, method)(path, **kwargs, **headers)
+
+
+def test_create_run_returns_201_with_id_and_queued_attempt(client, platform_user, token_for):
+    token = token_for(platform_user[0])
+    response = api(client, "post", "/api/runs", token, {"name": "tiny", "config": TINY_CONFIG})
+    assert response.status_code == 201, response.content
+    body = response.json()
+    assert body["state"] == states.QUEUED
+    assert [a["number"] for a in body["attempts"]] == [1]
+    assert body["config"]["model"]["dim"] == 64
+    assert body["config"]["optimizer"]["beta2"] == 0.95  # defaults are filled in and stored
+    assert Run.objects.get(pk=body["id"]).owner == platform_user[0]
+
+
+def test_create_run_with_bad_fields_is_400_with_field_errors_and_creates_nothing(client, platform_user, token_for):
+    token = token_for(platform_user[0])
+    config = {**TINY_CONFIG, "model": {**TINY_CONFIG["model"], "heads": 3}, "parallel": {"dp": 0}}
+    response = api(client, "post", "/api/runs", token, {"name": "", "config": config})
+    assert response.status_code == 400
+    errors = response.json()["errors"]
+    assert errors["name"] == "is required"
+    assert "must divide dim=64" in errors["config.model.heads"]
+    assert "greater than or equal to 1" in errors["config.parallel.dp"]
+    assert not Run.objects.exists()
+
+
+def test_unknown_config_field_is_named(client, platform_user, token_for):
+    token = token_for(platform_user[0])
+    response = api(client, "post", "/api/runs", token, {"name": "x", "config": {"modle": {}}})
+    assert response.status_code == 400
+    assert response.json()["errors"] == {"config.modle": "is not a known field"}
+
+
+def test_list_and_detail_show_only_own_runs(client, platform_user, other_user, token_for):
+    mine, _, _ = claimed_run(platform_user[0], "mine")
+    theirs, _, _ = claimed_run(other_user, "theirs")
+    token = token_for(platform_user[0])
+    listed = api(client, "get", "/api/runs", token).json()
+    assert [r["name"] for r in listed] == ["mine"]
+    detail = api(client, "get", f"/api/runs/{mine.pk}", token)
+    assert detail.status_code == 200 and detail.json()["attempts"][0]["state"] == states.STARTING
+    for path in (f"/api/runs/{theirs.pk}", f"/api/runs/{theirs.pk}/events", f"/api/runs/{theirs.pk}/attempts/1/logs/0"):
+        assert api(client, "get", path, token).status_code == 404
+    assert api(client, "post", f"/api/runs/{theirs.pk}/cancel", token).status_code == 404
+    theirs.refresh_from_db()
+    assert theirs.state == states.STARTING
+
+
+def test_events_after_pages_through_the_log(client, platform_user, token_for):
+    run, attempt, attempt_token = claimed_run(platform_user[0])
+    for seq in range(3):
+        batch = {"attempt": attempt.pk, "rank": 0, "seq": seq,
+                 "events": [{"kind": "metric", "time": 1.0, "step": seq, "payload": {"loss": 1.0}}]}  # fmt: skip
+        client.post("/api/ingest", json.dumps(batch), "application/json", HTTP_AUTHORIZATION=f"Bearer {attempt_token}")
+    token = token_for(platform_user[0])
+    first = api(client, "get", f"/api/runs/{run.pk}/events?after=0&limit=2", token).json()
+    assert [e["seq"] for e in first["events"]] == [1, 2] and first["more"] is True
+    rest = api(client, "get", f"/api/runs/{run.pk}/events?after=2", token).json()
+    assert rest["more"] is False
+    assert rest["last_seq"] == rest["events"][-1]["seq"] == 4
+    pages = first["events"] + rest["events"]
+    assert [e["seq"] for e in pages] == [1, 2, 3, 4]
+    assert [e["step"] for e in pages if e["kind"] == "metric"] == [0, 1, 2]
+
+
+def test_cancel_queued_run_cancels_at_once_and_second_cancel_conflicts(client, platform_user, token_for):
+    from loom.runs.services import create_run
+
+    run = create_run(platform_user[0], "queued", TINY_CONFIG)
+    token = token_for(platform_user[0])
+    response = api(client, "post", f"/api/runs/{run.pk}/cancel", token)
+    assert response.status_code == 202 and response.json()["state"] == states.CANCELLED
+    assert api(client, "post", f"/api/runs/{run.pk}/cancel", token).status_code == 409
+    kinds = [(e.kind, e.payload.get("state")) for e in run.events.order_by("seq")]
+    assert kinds == [("state", states.QUEUED), ("state", states.CANCELLED)]
+
+
+def test_cancel_running_attempt_asks_the_launcher(client, platform_user, token_for):
+    run, attempt, _ = claimed_run(platform_user[0])
+    response = api(client, "post", f"/api/runs/{run.pk}/cancel", token_for(platform_user[0]))
+    assert response.json()["state"] == states.CANCELLING
+    attempt.refresh_from_db()
+    assert attempt.cancel_requested and attempt.state == states.CANCELLING
+
+
+def test_session_auth_requires_csrf_for_writes(platform_user):
+    from django.test import Client
+
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(platform_user[0])
+    response = client.post("/api/runs", json.dumps({"name": "x", "config": TINY_CONFIG}), "application/json")
+    assert response.status_code in (401, 403)
+    assert not Run.objects.exists()
+    assert client.get("/api/runs").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("get", "/api/runs"),
+        ("post", "/api/runs"),
+        ("get", "/api/runs/{id}"),
+        ("get", "/api/runs/{id}/events"),
+        ("post", "/api/runs/{id}/cancel"),
+        ("get", "/api/runs/{id}/attempts/1/logs/0"),
+    ],
+)
+def test_anonymous_and_bad_token_are_refused_everywhere(client, platform_user, method, path):
+    run, _, _ = claimed_run(platform_user[0])
+    url = path.format(id=run.pk)
+    assert api(client, method, url, body={} if method == "post" else None).status_code == 401
+    assert api(client, method, url, token="loom_wrong", body={} if method == "post" else None).status_code == 401
+    run.refresh_from_db()
+    assert run.state == states.STARTING
+
+
+def test_attempt_token_is_not_a_user_token(client, platform_user):
+    _, _, attempt_token = claimed_run(platform_user[0])
+    assert api(client, "get", "/api/runs", attempt_token).status_code == 401
+
+
+def test_openapi_schema_documents_the_routes(client):
+    schema = client.get("/api/openapi.json").json()
+    for route in ("/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/events", "/api/runs/{run_id}/cancel", "/api/ingest"):
+        assert route in schema["paths"], route
+    assert "requestBody" in schema["paths"]["/api/ingest"]["post"]

@@ -1,0 +1,57 @@
+"""The run websocket against the real ASGI stack under uvicorn (origin check, session auth, channel layer)."""
+
+import json
+
+import pytest
+from django.test import Client
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from loom.telemetry.services import ingest_batch
+
+from .helpers import batch, claimed_run
+
+def socket_url(server, run_id: int) -> str:
+    return server.url.replace("http://", "ws://") + f"/ws/runs/{run_id}/"
+
+
+def open_socket(server, run_id: int, user=None, origin=None):
+    headers = {}
+    if user is not None:
+        client = Client()
+        client.force_login(user)
+        headers["Cookie"] = f"sessionid={client.cookies['sessionid'].value}"
+    return connect(socket_url(server, run_id), origin=origin or server.url, additional_headers=headers, open_timeout=10)
+
+
+def refused_status(server, run_id: int, user=None, origin=None) -> int:
+    """A refused socket never opens: the handshake is answered with an HTTP error instead."""
+    with pytest.raises(InvalidStatus) as refused:
+        open_socket(server, run_id, user, origin)
+    return refused.value.response.status_code
+
+
+def test_owner_receives_ingested_events_live(platform_server, platform_user):
+    run, attempt, _ = claimed_run(platform_user[0])
+    with open_socket(platform_server, run.pk, platform_user[0]) as socket:
+        ingest_batch(attempt, 1, 0, batch(attempt, rank=1, steps=(1, 2))["events"])
+        message = json.loads(socket.recv(timeout=10))
+    assert message["type"] == "events"
+    assert [(e["kind"], e["rank"], e["step"]) for e in message["events"]] == [("metric", 1, 1), ("metric", 1, 2)]
+    assert message["events"][1]["seq"] == message["events"][0]["seq"] + 1
+
+
+def test_anonymous_socket_is_refused(platform_server, platform_user):
+    run, _, _ = claimed_run(platform_user[0])
+    assert refused_status(platform_server, run.pk) == 403
+
+
+def test_other_users_socket_is_refused(platform_server, platform_user, other_user):
+    run, _, _ = claimed_run(platform_user[0])
+    assert refused_status(platform_server, run.pk, other_user) == 403
+    assert refused_status(platform_server, run.pk + 1000, platform_user[0]) == 403
+
+
+def test_foreign_origin_is_refused(platform_server, platform_user):
+    run, _, _ = claimed_run(platform_user[0])
+    assert refused_status(platform_server, run.pk, platform_user[0], origin="http://evil.example") == 403
