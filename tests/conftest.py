@@ -1,6 +1,7 @@
 """Shared fixtures: the real platform (uvicorn + Channels) and a real Celery worker, in threads of the
 test process so they share the test database. PostgreSQL/Redis when DATABASE_URL/REDIS_URL are set."""
 
+import os
 import socket
 import threading
 import time
@@ -9,11 +10,17 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 from celery.contrib.testing.worker import start_worker
+from django.conf import settings
 
 from loom.accounts.services import create_api_token, ensure_user
 from loom.celery import app as celery_app
 from loom.runs import states
 from loom.runs.models import Attempt
+
+
+# A queue of this session's own: a demo worker or another test session on the same broker never
+# takes (or hands us) a launch. Set before the Celery app first reads its configuration.
+settings.CELERY_TASK_DEFAULT_QUEUE = f"loom-tests-{os.getpid()}"
 
 
 def free_port() -> int:

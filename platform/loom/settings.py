@@ -83,7 +83,8 @@ else:
             # Web, worker and ranks' ingest write concurrently: take the write lock up front
             # and wait for it rather than failing with "database is locked".
             "OPTIONS": {"timeout": 30, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"},
-            "TEST": {"NAME": LOOM_HOME / "test-loom.sqlite3"},
+            # Per process, so two test sessions on one machine never share a test database.
+            "TEST": {"NAME": LOOM_HOME / f"test-loom-{os.getpid()}.sqlite3"},
         }
     }
 

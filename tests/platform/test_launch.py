@@ -1,0 +1,106 @@
+"""A real Celery worker launches a real torchrun attempt that reports through the real ingest API."""
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from loom.runs import states
+from loom.runs.models import Attempt, Run
+from loom.runs.tasks import launch_attempt
+from loom.telemetry.models import IngestBatch
+
+from ..conftest import PlatformServer, free_port, wait_for
+from .helpers import TINY_CONFIG, claimed_run
+
+pytestmark = pytest.mark.slow
+
+
+def api(url: str, token: str, method: str = "GET", body=None) -> dict:
+    request = urllib.request.Request(
+        url,
+        method=method,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def metric_steps(run: Run, rank: int) -> list[int]:
+    return list(run.events.filter(kind="metric", rank=rank).order_by("step").values_list("step", flat=True))
+
+
+def test_run_through_celery_trains_reports_every_step_and_ignores_a_second_delivery(
+    live_platform, platform_user, token_for
+):
+    token = token_for(platform_user[0])
+    created = api(f"{live_platform.url}/api/runs", token, "POST", {"name": "through celery", "config": TINY_CONFIG})
+    attempt = Attempt.objects.get(run_id=created["id"], number=1)
+    launch_attempt.delay(attempt.pk)  # the same attempt delivered twice must launch once
+
+    run = wait_for(
+        lambda: Run.objects.filter(pk=created["id"], state__in=states.TERMINAL).first(),
+        timeout=180,
+        message="the run to finish",
+    )
+    attempt.refresh_from_db()
+    assert (run.state, attempt.exit_code) == (states.SUCCEEDED, 0), attempt.failure_reason
+    for rank in (0, 1):
+        assert metric_steps(run, rank) == list(range(1, 21))
+    launcher_states = [e.payload["state"] for e in run.events.filter(kind="state", rank=-1).order_by("seq")]
+    assert launcher_states == [states.STARTING, states.RUNNING, states.SUCCEEDED]
+    for rank in (0, 1):
+        trainer_states = [e.payload["state"] for e in run.events.filter(kind="state", rank=rank).order_by("seq")]
+        assert trainer_states == ["started", "finished"]
+    losses = [e.payload["loss_mean"] for e in run.events.filter(kind="metric", rank=0).order_by("step")]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+
+    seqs = list(run.events.order_by("seq").values_list("seq", flat=True))
+    assert seqs == list(range(1, run.last_seq + 1))
+    logs = api(f"{live_platform.url}/api/runs/{run.pk}/attempts/1/logs/1", token)
+    assert any("step 20/20" in line for line in logs["files"]["stdout.log"])
+    detail = api(f"{live_platform.url}/api/runs/{run.pk}", token)
+    assert detail["attempts"][0]["state"] == states.SUCCEEDED and detail["attempts"][0]["finished_at"]
+
+
+def test_spool_delivers_every_event_after_the_platform_was_unreachable(platform_user, platform_server, runs_dir, tmp_path):
+    run, attempt, token = claimed_run(platform_user[0], "offline start")
+    (tmp_path / "config.json").write_text(json.dumps(run.config))
+    port = free_port()
+    spool = tmp_path / "spool"
+    env = {
+        **os.environ,
+        "LOOM_URL": f"http://127.0.0.1:{port}",
+        "LOOM_TOKEN": token,
+        "LOOM_ATTEMPT": str(attempt.pk),
+        "LOOM_SPOOL_DIR": str(spool),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "trainer.train", "--config", str(tmp_path / "config.json")]  # fmt: skip
+    trainer = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    late_server = None
+    try:
+        wait_for(
+            lambda: all(len(list((spool / f"rank{r}").glob("*.json"))) >= 3 for r in (0, 1)),
+            timeout=120,
+            message="both ranks to spool batches while the platform is down",
+        )
+        assert run.events.filter(rank__gte=0).count() == 0
+        late_server = PlatformServer(port).start()
+        output, _ = trainer.communicate(timeout=180)
+    finally:
+        trainer.kill()
+        if late_server:
+            late_server.stop()
+    assert trainer.returncode == 0, output.decode()[-3000:]
+    for rank in (0, 1):
+        assert metric_steps(run, rank) == list(range(1, 21))
+        batch_seqs = sorted(IngestBatch.objects.filter(attempt=attempt, rank=rank).values_list("seq", flat=True))
+        assert batch_seqs == list(range(len(batch_seqs)))
+        assert not list((spool / f"rank{rank}").glob("*.json")), "every spooled batch was delivered and removed"
+
