@@ -144,6 +144,20 @@ def parse_config(document: Any) -> RunConfig:
     if not isinstance(document, dict):
         raise ConfigError({"config": "must be a JSON object"})
     try:
-        return RunConfig.model_validate(document)
+        config = RunConfig.model_validate(document)
     except ValidationError as error:
         raise ConfigError(field_errors(error)) from None
+    errors = cross_section_errors(config)
+    if errors:
+        raise ConfigError(errors)
+    return config
+
+
+def cross_section_errors(config: RunConfig) -> dict[str, str]:
+    """Rules that relate fields of different sections, keyed by the field a user should change."""
+    errors = {}
+    if config.data.corpus_bytes < config.model.seq_len + 1:
+        errors["data.corpus_bytes"] = (
+            f"must be at least model.seq_len + 1 = {config.model.seq_len + 1} to cut one training window"
+        )
+    return errors

@@ -123,6 +123,7 @@ else:
         "data_folder_in": str(LOOM_HOME / "broker"),
         "data_folder_out": str(LOOM_HOME / "broker"),
         "processed_folder": str(LOOM_HOME / "broker-processed"),
+        "control_folder": str(LOOM_HOME / "broker-control"),
         "store_processed": False,
     }
 

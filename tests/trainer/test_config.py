@@ -1,0 +1,56 @@
+import pytest
+
+from trainer.config import ConfigError, RunConfig, parse_config
+
+
+def errors_of(document) -> dict[str, str]:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(document)
+    return raised.value.errors
+
+
+def test_an_empty_document_takes_the_defaults():
+    config = parse_config({})
+    assert config == RunConfig()
+    assert config.model.dim % config.model.heads == 0
+    assert config.model.heads % config.model.kv_heads == 0
+
+
+def test_heads_that_do_not_divide_dim_are_reported_on_model_heads():
+    errors = errors_of({"model": {"dim": 128, "heads": 3, "kv_heads": 1}})
+    assert list(errors) == ["model.heads"]
+    assert "must divide dim=128" in errors["model.heads"]
+
+
+def test_kv_heads_that_do_not_divide_heads_are_reported_on_model_kv_heads():
+    errors = errors_of({"model": {"heads": 4, "kv_heads": 3}})
+    assert list(errors) == ["model.kv_heads"]
+    assert "must divide heads=4" in errors["model.kv_heads"]
+
+
+def test_zero_data_parallel_ranks_are_reported_on_parallel_dp():
+    errors = errors_of({"parallel": {"dp": 0}})
+    assert list(errors) == ["parallel.dp"]
+    assert "greater than or equal to 1" in errors["parallel.dp"]
+
+
+def test_an_unknown_field_is_named_by_its_dotted_path():
+    assert errors_of({"model": {"bogus": 1}}) == {"model.bogus": "is not a known field"}
+
+
+def test_every_bad_field_is_reported_at_once():
+    errors = errors_of({"steps": 0, "optimizer": {"lr": -1}, "data": {"micro_batch": 0}})
+    assert set(errors) == {"steps", "optimizer.lr", "data.micro_batch"}
+
+
+@pytest.mark.parametrize("document", [[], "steps: 10", None, 3])
+def test_a_document_that_is_not_an_object_is_reported_on_config(document):
+    assert errors_of(document) == {"config": "must be a JSON object"}
+
+
+def test_rules_across_sections_name_the_field_to_change():
+    with pytest.raises(ConfigError) as raised:
+        parse_config({"model": {"seq_len": 20000}, "data": {"corpus_bytes": 10000}})
+    assert raised.value.errors == {
+        "data.corpus_bytes": "must be at least model.seq_len + 1 = 20001 to cut one training window"
+    }

@@ -1,0 +1,51 @@
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.data import WindowSampler, load_corpus, stdlib_sources
+
+
+def sampler(seed: int = 0) -> WindowSampler:
+    return WindowSampler(load_corpus(50_000), seq_len=32, micro_batch=4, seed=seed)
+
+
+def test_the_corpus_is_the_standard_library_in_path_order_without_site_packages():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    sources = stdlib_sources()
+    relative = [path.relative_to(root).as_posix() for path in sources]
+    assert relative == sorted(relative)
+    assert "os.py" in relative
+    assert not any("site-packages" in path for path in relative)
+    corpus = load_corpus(20_000)
+    assert corpus.dtype == torch.uint8 and corpus.numel() == 20_000
+    assert bytes(corpus[:100].tolist()) == sources[0].read_bytes()[:100]
+
+
+def test_the_same_seed_step_and_rank_give_the_same_batch():
+    first, second = sampler(), sampler()
+    for a, b in zip(first.batch(step=7, rank=1), second.batch(step=7, rank=1)):
+        assert torch.equal(a, b)
+
+
+def test_ranks_steps_and_seeds_each_get_different_batches():
+    inputs = sampler().batch(step=3, rank=0)[0]
+    assert not torch.equal(inputs, sampler().batch(step=3, rank=1)[0])
+    assert not torch.equal(inputs, sampler().batch(step=4, rank=0)[0])
+    assert not torch.equal(inputs, sampler(seed=1).batch(step=3, rank=0)[0])
+
+
+def test_targets_are_the_inputs_shifted_by_one_token_of_a_corpus_window():
+    corpus = bytes(load_corpus(50_000).tolist())
+    inputs, targets = sampler().batch(step=0, rank=0)
+    assert inputs.shape == targets.shape == (4, 32)
+    assert inputs.dtype == targets.dtype == torch.int64
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    for first, rest in zip(inputs[:, 0].tolist(), targets.tolist()):
+        assert bytes([first, *rest]) in corpus
+
+
+def test_a_corpus_shorter_than_one_window_is_refused():
+    with pytest.raises(ValueError, match="data.corpus_bytes"):
+        WindowSampler(torch.zeros(32, dtype=torch.uint8), seq_len=32, micro_batch=1, seed=0)

@@ -1,0 +1,70 @@
+import pytest
+import torch
+
+from trainer.config import ModelConfig
+from trainer.model import Transformer
+
+TINY = ModelConfig(layers=2, dim=32, heads=4, kv_heads=4, ffn=64, vocab=256, seq_len=16)
+
+
+def tokens(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_have_one_row_per_token_over_the_vocabulary():
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    assert model(tokens(3, 16)).shape == (3, 16, 256)
+    assert model(tokens(2, 5)).shape == (2, 5, 256)
+
+
+def test_a_later_token_does_not_change_earlier_logits():
+    torch.manual_seed(0)
+    model = Transformer(TINY).eval()
+    original = tokens(1, 16)
+    changed = original.clone()
+    changed[0, 10] = (changed[0, 10] + 1) % 256
+    with torch.no_grad():
+        before, after = model(original), model(changed)
+    torch.testing.assert_close(before[:, :10], after[:, :10])
+    assert not torch.allclose(before[:, 10:], after[:, 10:])
+
+
+def test_grouped_query_attention_runs_and_backpropagates():
+    torch.manual_seed(0)
+    config = TINY.model_copy(update={"kv_heads": 2})
+    model = Transformer(config)
+    attention = model.blocks[0].attention
+    assert attention.wk.weight.shape == (2 * 8, 32)
+    logits = model(tokens(2, 16))
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens(2, 16, seed=1).flatten())
+    loss.backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+
+
+def test_grouped_query_attention_equals_attention_with_repeated_key_value_heads():
+    torch.manual_seed(0)
+    grouped = Transformer(TINY.model_copy(update={"kv_heads": 2})).eval()
+    full = Transformer(TINY).eval()
+    state = grouped.state_dict()
+    for index in range(TINY.layers):
+        for projection in ("wk", "wv"):
+            key = f"blocks.{index}.attention.{projection}.weight"
+            # Each key/value head serves two consecutive query heads: repeat its rows head by head.
+            state[key] = state[key].view(2, 8, 32).repeat_interleave(2, dim=0).reshape(32, 32)
+    full.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(full(tokens(2, 16)), grouped(tokens(2, 16)))
+
+
+def test_rotary_tables_are_not_saved_and_parameters_are_counted():
+    model = Transformer(TINY)
+    assert not any(key.startswith("rope_") for key in model.state_dict())
+    per_block = 4 * 32 * 32 + 3 * 32 * 64 + 2 * 32
+    assert model.num_params() == 2 * 256 * 32 + TINY.layers * per_block + 32
+
+
+def test_sequences_longer_than_the_model_are_refused():
+    with pytest.raises(ValueError, match="model.seq_len=16"):
+        Transformer(TINY)(tokens(1, 17))

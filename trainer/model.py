@@ -1,0 +1,125 @@
+"""A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU.
+
+The model holds no parallelism; trainer.train (and later trainer.parallel) applies it from outside.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig
+
+INIT_STD = 0.02
+ROPE_BASE = 10_000.0
+NORM_EPS = 1e-5
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float = ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq_len, head_dim], laid out for the rotate-half formulation."""
+    inverse_frequencies = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inverse_frequencies)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i+d/2}) of x [B, H, T, D] by position-dependent angles."""
+    first, second = x.chunk(2, dim=-1)
+    rotated_half = torch.cat([-second, first], dim=-1)
+    return (x * cos + rotated_half * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention; kv_heads < heads shares each key/value head among a group of query heads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.kv_heads = cfg.kv_heads
+        self.head_dim = cfg.dim // cfg.heads
+        self.wq = nn.Linear(cfg.dim, cfg.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, self.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq_len, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq_len, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x): a gated feed-forward block."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
+        self.w2 = nn.Linear(cfg.ffn, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=NORM_EPS)
+        self.attention = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.dim, eps=NORM_EPS)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token embedding, `layers` blocks, final RMSNorm and an untied projection to the vocabulary."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = nn.Embedding(cfg.vocab, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=NORM_EPS)
+        self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        cos, sin = rotary_tables(cfg.seq_len, cfg.dim // cfg.heads)
+        # Non-persistent: derived from the config, so checkpoints need not carry them.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, 0.02) weights; projections that write into the residual stream are scaled
+        by 1/sqrt(2·layers) so the stream's variance does not grow with depth."""
+        residual_std = INIT_STD / math.sqrt(2 * self.cfg.layers)
+        for name, parameter in self.named_parameters():
+            if parameter.dim() < 2:
+                continue
+            is_residual_projection = name.endswith(("attention.wo.weight", "mlp.w2.weight"))
+            nn.init.normal_(parameter, mean=0.0, std=residual_std if is_residual_projection else INIT_STD)
+
+    def num_params(self) -> int:
+        return sum(parameter.numel() for parameter in self.parameters())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] int64 with T <= seq_len -> logits [B, T, vocab]."""
+        seq_len = tokens.shape[1]
+        if seq_len > self.cfg.seq_len:
+            raise ValueError(f"sequence of {seq_len} tokens is longer than model.seq_len={self.cfg.seq_len}")
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.output(self.norm(x))

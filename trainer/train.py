@@ -1,0 +1,308 @@
+"""Data-parallel training: `torchrun --standalone --nproc_per_node=N -m trainer.train --config run.json`.
+
+N must equal parallel.dp. Each rank reports metrics, logs and state changes through its own
+TelemetryClient (LOOM_URL, LOOM_TOKEN, LOOM_ATTEMPT; spooled under LOOM_SPOOL_DIR). SIGTERM stops
+every rank at the same step boundary, reports the stop and exits with 143.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
+from trainer.data import WindowSampler
+from trainer.model import Transformer
+from trainer.telemetry import TelemetryClient, TelemetryLogHandler
+
+# 128 + SIGTERM: what a shell reports for a process ended by SIGTERM, so launchers read it as a stop.
+STOPPED_EXIT_CODE = 128 + signal.SIGTERM
+USAGE_EXIT_CODE = 2
+# A stopped rank has little time before torchrun escalates to SIGKILL; leftovers stay spooled.
+STOPPED_TELEMETRY_TIMEOUT_S = 3.0
+FINAL_TELEMETRY_TIMEOUT_S = 30.0
+DEFAULT_SPOOL_DIR = "telemetry-spool"
+
+logger = logging.getLogger("trainer.train")
+
+
+class LaunchError(Exception):
+    """The process was started in a way that cannot work; the message says how to start it."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What torchrun and the platform's launcher tell this process through its environment."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    url: str | None
+    token: str | None
+    attempt: int | None
+    spool_dir: Path
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> Launch:
+        missing = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if name not in environ]
+        if missing:
+            raise LaunchError(
+                f"{', '.join(missing)} not set; start with "
+                "`torchrun --standalone --nproc_per_node=<parallel.dp> -m trainer.train --config CONFIG.json`"
+            )
+        url = environ.get("LOOM_URL") or None
+        token = environ.get("LOOM_TOKEN") or None
+        attempt = environ.get("LOOM_ATTEMPT") or None
+        if attempt is not None and not attempt.isdigit():
+            raise LaunchError(f"LOOM_ATTEMPT must be a non-negative integer, got {attempt!r}")
+        if url is not None and (token is None or attempt is None):
+            raise LaunchError("LOOM_URL is set, so LOOM_TOKEN and LOOM_ATTEMPT must be set too")
+        return cls(
+            rank=int(environ["RANK"]),
+            local_rank=int(environ["LOCAL_RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            url=url,
+            token=token,
+            attempt=int(attempt) if attempt is not None else None,
+            spool_dir=Path(environ.get("LOOM_SPOOL_DIR") or DEFAULT_SPOOL_DIR),
+        )
+
+
+class StopSignal:
+    """Set by SIGTERM; the step loop reads it, so a stop never lands in the middle of a step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._request)
+
+    def _request(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
+@dataclass(frozen=True)
+class Outcome:
+    last_step: int
+    stopped: bool
+
+
+def load_config(path: Path) -> RunConfig:
+    try:
+        document = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError({"config": f"is not valid JSON: {error}"}) from None
+    return parse_config(document)
+
+
+def select_backend(requested: str, cuda_available: bool) -> str:
+    if requested == "auto":
+        return "nccl" if cuda_available else "gloo"
+    if requested == "nccl" and not cuda_available:
+        raise LaunchError("parallel.backend='nccl' needs CUDA GPUs and none is visible; use 'gloo' or 'auto'")
+    return requested
+
+
+def learning_rate(step: int, total_steps: int, optimizer: OptimizerConfig) -> float:
+    """Linear warmup to lr over warmup_steps, then cosine decay to min_lr_ratio·lr at total_steps."""
+    if step <= optimizer.warmup_steps:
+        return optimizer.lr * step / optimizer.warmup_steps
+    progress = (step - optimizer.warmup_steps) / max(1, total_steps - optimizer.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return optimizer.lr * (optimizer.min_lr_ratio + (1.0 - optimizer.min_lr_ratio) * cosine)
+
+
+def build_optimizer(model: torch.nn.Module, optimizer: OptimizerConfig, on_cuda: bool) -> torch.optim.AdamW:
+    """AdamW that decays matrices and embeddings only; norm gains keep their scale."""
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    groups = [
+        {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": optimizer.weight_decay},
+        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), fused=True if on_cuda else None
+    )
+
+
+def precision(on_cuda: bool) -> contextlib.AbstractContextManager:
+    """bf16 autocast on GPUs; CPUs train in fp32, where bf16 matmuls are slow or emulated."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else contextlib.nullcontext()
+
+
+def train(
+    config: RunConfig, launch: Launch, device: torch.device, telemetry: TelemetryClient, stop: StopSignal
+) -> Outcome:
+    on_cuda = device.type == "cuda"
+    # Same seed on every rank: replicas start identical even before DDP's broadcast.
+    torch.manual_seed(config.data.seed)
+    model = Transformer(config.model).to(device)
+    # The only buffers are RoPE tables computed identically everywhere; re-syncing them every forward is waste.
+    replica = DistributedDataParallel(
+        model, device_ids=[device.index] if on_cuda else None, forward_sync_buffers=False
+    )
+    optimizer = build_optimizer(model, config.optimizer, on_cuda)
+    parameters = list(model.parameters())
+    sampler = WindowSampler.from_config(config)
+
+    telemetry.emit(
+        "state",
+        {
+            "state": "started",
+            "world_size": launch.world_size,
+            "device": str(device),
+            "backend": dist.get_backend(),
+            "params": model.num_params(),
+        },
+    )
+    logger.info(
+        "training %d steps: %d parameters, %d ranks on %s, %d tokens per step",
+        config.steps, model.num_params(), launch.world_size, device, config.tokens_per_step,
+    )
+
+    tokens_per_rank_step = config.data.micro_batch * config.model.seq_len
+    tokens_seen = 0
+    for step in range(1, config.steps + 1):
+        started = time.perf_counter()
+        lr = learning_rate(step, config.steps, config.optimizer)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = (tensor.to(device, non_blocking=True) for tensor in sampler.batch(step, launch.rank))
+        with precision(on_cuda):
+            logits = replica(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+        if config.optimizer.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(parameters, config.optimizer.grad_clip, grad_norm)
+        optimizer.step()
+
+        # One collective per step carries both the loss mean and the stop vote, so every rank
+        # leaves the loop after the same step and none is left waiting in a collective.
+        shared = torch.stack([loss.detach(), loss.new_tensor(float(stop.requested))])
+        dist.all_reduce(shared)
+        local_loss, norm, loss_sum, stop_votes = torch.cat([loss.detach().view(1), grad_norm.view(1), shared]).tolist()
+        step_time = time.perf_counter() - started
+        tokens_seen += tokens_per_rank_step
+        metrics = {
+            "loss": local_loss,
+            "loss_mean": loss_sum / launch.world_size,
+            "grad_norm": norm,
+            "lr": lr,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_rank_step / step_time,
+            "tokens": tokens_seen,
+        }
+        telemetry.emit("metric", metrics, step=step)
+        print(
+            f"rank {launch.rank} step {step}/{config.steps} loss {local_loss:.4f} mean {metrics['loss_mean']:.4f} "
+            f"grad_norm {norm:.3f} lr {lr:.2e} {metrics['tokens_per_s']:,.0f} tok/s {step_time * 1000:.0f} ms",
+            flush=True,
+        )
+        if stop_votes:
+            return Outcome(last_step=step, stopped=True)
+    return Outcome(last_step=config.steps, stopped=False)
+
+
+def run(config: RunConfig, launch: Launch, telemetry: TelemetryClient, stop: StopSignal) -> Outcome:
+    """Train inside a process group and report how it ended."""
+    cuda_available = torch.cuda.is_available()
+    backend = select_backend(config.parallel.backend, cuda_available)
+    device = torch.device("cuda", launch.local_rank) if cuda_available else torch.device("cpu")
+    if cuda_available:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    try:
+        outcome = train(config, launch, device, telemetry, stop)
+    except BaseException:
+        # No barrier here: the other ranks are inside a different collective and would never
+        # meet it. Tearing the group down makes their collectives fail fast instead of hanging.
+        dist.destroy_process_group()
+        raise
+    if outcome.stopped:
+        stopped = {"state": "stopped", "reason": "SIGTERM", "step": outcome.last_step}
+        telemetry.emit("state", stopped, step=outcome.last_step)
+        logger.info("stopped by SIGTERM after step %d", outcome.last_step)
+    else:
+        telemetry.emit("state", {"state": "finished", "steps": outcome.last_step}, step=outcome.last_step)
+    # Every rank reaches this point after the same step; without the barrier gloo can abort a peer still exiting.
+    dist.barrier()
+    dist.destroy_process_group()
+    return outcome
+
+
+def configure(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[RunConfig, Launch]:
+    """The validated run config and launch environment, or ConfigError/LaunchError saying what to fix."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, required=True, help="run-config JSON document")
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    launch = Launch.from_environment(environ)
+    if launch.world_size != config.parallel.dp:
+        raise LaunchError(
+            f"torchrun started {launch.world_size} ranks but parallel.dp={config.parallel.dp}; "
+            f"launch with --nproc_per_node={config.parallel.dp}"
+        )
+    return config, launch
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, launch = configure(argv, os.environ)
+    except (ConfigError, LaunchError, OSError) as error:
+        print(f"trainer: {error}", file=sys.stderr, flush=True)
+        return USAGE_EXIT_CODE
+
+    stop = StopSignal()
+    stop.install()
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank{launch.rank} %(levelname)s %(name)s: %(message)s"
+    )
+    telemetry = TelemetryClient(
+        url=launch.url,
+        token=launch.token,
+        attempt=launch.attempt,
+        rank=launch.rank,
+        spool_dir=launch.spool_dir,
+        flush_interval_s=config.telemetry.flush_interval_s,
+        heartbeat_interval_s=config.telemetry.heartbeat_interval_s,
+    )
+    log_handler = TelemetryLogHandler(telemetry)
+    logging.getLogger().addHandler(log_handler)
+    telemetry_timeout_s = FINAL_TELEMETRY_TIMEOUT_S
+    try:
+        outcome = run(config, launch, telemetry, stop)
+        if outcome.stopped:
+            telemetry_timeout_s = STOPPED_TELEMETRY_TIMEOUT_S
+        return STOPPED_EXIT_CODE if outcome.stopped else 0
+    except BaseException:
+        logger.exception("training failed on rank %d", launch.rank)
+        raise
+    finally:
+        logging.getLogger().removeHandler(log_handler)
+        undelivered = telemetry.close(telemetry_timeout_s)
+        if undelivered and launch.url is not None:
+            print(
+                f"trainer: {undelivered} telemetry batches are still spooled in {telemetry.rank_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
