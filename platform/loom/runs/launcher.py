@@ -10,9 +10,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+from celery.signals import worker_shutting_down
 from django.conf import settings
 
 from loom.accounts.tokens import hash_token, mint_token
@@ -28,6 +30,15 @@ log = logging.getLogger(__name__)
 LAUNCHER_RANK = -1
 DELIVERY_DEADLINE_S = 120.0
 FAILURE_TAIL_LINES = 30
+WORKER_SHUTDOWN_REASON = "the worker supervising this attempt shut down"
+
+# Set when this worker process is shutting down: supervised attempts are stopped, not orphaned.
+_shutting_down = threading.Event()
+
+
+@worker_shutting_down.connect
+def _stop_supervising(**_):
+    _shutting_down.set()
 
 
 def claim_attempt(attempt_id: int) -> tuple[Attempt, str] | None:
@@ -71,8 +82,8 @@ def launch(attempt_id: int) -> str:
     except OSError as error:
         return _finish(reporter, attempt, work_dir, token, states.FAILED, None, f"could not start torchrun: {error}")
     reporter.emit("state", {"attempt": attempt.number, "state": states.RUNNING, "pid": process.pid})
-    exit_code, cancelled = _supervise(process, attempt.pk)
-    outcome, reason = _outcome(exit_code, cancelled, work_dir, attempt.run.config["parallel"]["dp"])
+    exit_code, stopped_by = _supervise(process, attempt.pk)
+    outcome, reason = _outcome(exit_code, stopped_by, work_dir, attempt.run.config["parallel"]["dp"])
     return _finish(reporter, attempt, work_dir, token, outcome, exit_code, reason)
 
 
@@ -101,15 +112,19 @@ def _spawn(attempt: Attempt, token: str, work_dir: Path) -> subprocess.Popen:
         )
 
 
-def _supervise(process: subprocess.Popen, attempt_id: int) -> tuple[int, bool]:
-    """Wait for the process group to end; stop it when the user cancels. Returns (exit code, cancelled)."""
+def _supervise(process: subprocess.Popen, attempt_id: int) -> tuple[int, str | None]:
+    """Wait for the process group to end; stop it on cancel or worker shutdown.
+
+    Returns the exit code and who stopped it: "user", "worker" or None if it ended by itself."""
     while True:
         try:
-            return process.wait(timeout=0.5), False
+            return process.wait(timeout=0.5), None
         except subprocess.TimeoutExpired:
             pass
         if Attempt.objects.filter(pk=attempt_id, cancel_requested=True).exists():
-            return stop_process_group(process, settings.LOOM_CANCEL_GRACE_S), True
+            return stop_process_group(process, settings.LOOM_CANCEL_GRACE_S), "user"
+        if _shutting_down.is_set():
+            return stop_process_group(process, settings.LOOM_CANCEL_GRACE_S), "worker"
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float) -> int:
@@ -142,9 +157,11 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _outcome(exit_code: int, cancelled: bool, work_dir: Path, world_size: int) -> tuple[str, str]:
-    if cancelled:
+def _outcome(exit_code: int, stopped_by: str | None, work_dir: Path, world_size: int) -> tuple[str, str]:
+    if stopped_by == "user":
         return states.CANCELLED, "cancelled by user"
+    if stopped_by == "worker":
+        return states.FAILED, WORKER_SHUTDOWN_REASON
     if exit_code == 0:
         return states.SUCCEEDED, ""
     return states.FAILED, f"torchrun exited with code {exit_code}\n" + _failure_tail(work_dir, world_size)
