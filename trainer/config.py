@@ -103,6 +103,13 @@ class TelemetryConfig(_Section):
     heartbeat_interval_s: float = Field(5.0, gt=0, le=600, description="Seconds between liveness heartbeats.")
 
 
+class FaultsConfig(_Section):
+    """Failures injected on purpose, to rehearse what the platform does when a rank dies."""
+
+    crash_at_step: int | None = Field(None, ge=1, description="Raise an error on crash_rank at this step; null never.")
+    crash_rank: int = Field(0, ge=0, description="The rank that crashes; must be below parallel.dp.")
+
+
 class RunConfig(_Section):
     """Everything a run needs; the same document is validated by the API and by the trainer."""
 
@@ -113,6 +120,7 @@ class RunConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
 
     @property
     def tokens_per_step(self) -> int:
@@ -160,4 +168,6 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
         errors["data.corpus_bytes"] = (
             f"must be at least model.seq_len + 1 = {config.model.seq_len + 1} to cut one training window"
         )
+    if config.faults.crash_rank >= config.parallel.world_size:
+        errors["faults.crash_rank"] = f"must be below the world size {config.parallel.world_size}"
     return errors

@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer import faults
 from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
 from trainer.data import WindowSampler
 from trainer.model import Transformer
@@ -177,6 +179,7 @@ def train(
     tokens_per_rank_step = config.data.micro_batch * config.model.seq_len
     tokens_seen = 0
     for step in range(1, config.steps + 1):
+        faults.before_step(config.faults, step, launch.rank)
         started = time.perf_counter()
         lr = learning_rate(step, config.steps, config.optimizer)
         for group in optimizer.param_groups:
@@ -261,6 +264,9 @@ def configure(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[RunCo
     return config, launch
 
 
+# torchrun then writes each failing rank's error and its time to error.json, which is how the
+# launcher tells the rank that failed first from the ranks that failed because it did.
+@record
 def main(argv: list[str] | None = None) -> int:
     try:
         config, launch = configure(argv, os.environ)

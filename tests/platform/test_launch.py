@@ -104,3 +104,19 @@ def test_spool_delivers_every_event_after_the_platform_was_unreachable(platform_
         assert batch_seqs == list(range(len(batch_seqs)))
         assert not list((spool / f"rank{rank}").glob("*.json")), "every spooled batch was delivered and removed"
 
+
+
+def test_a_crashing_rank_fails_the_run_with_its_traceback_as_the_reason(live_platform, platform_user):
+    from loom.runs.services import create_run
+
+    config = {**TINY_CONFIG, "faults": {"crash_at_step": 3, "crash_rank": 1}}
+    run = create_run(platform_user[0], "crashes", config)
+    run = wait_for(
+        lambda: Run.objects.filter(pk=run.pk, state__in=states.TERMINAL).first(), timeout=180, message="the crash"
+    )
+    attempt = run.attempts.get()
+    assert run.state == states.FAILED and attempt.exit_code not in (None, 0)
+    assert "rank 1 failed first: InjectedFault: injected fault: rank 1 crashes at step 3" in attempt.failure_reason
+    assert max(metric_steps(run, 0), default=0) <= 2
+    logs = run.events.filter(kind="log", rank=1, payload__level="ERROR")
+    assert any("injected fault" in event.payload["message"] for event in logs)

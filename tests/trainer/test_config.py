@@ -54,3 +54,9 @@ def test_rules_across_sections_name_the_field_to_change():
     assert raised.value.errors == {
         "data.corpus_bytes": "must be at least model.seq_len + 1 = 20001 to cut one training window"
     }
+
+
+def test_an_injected_fault_must_name_an_existing_rank():
+    assert errors_of({"parallel": {"dp": 2}, "faults": {"crash_at_step": 3, "crash_rank": 2}}) == {
+        "faults.crash_rank": "must be below the world size 2"
+    }

@@ -21,7 +21,7 @@ from loom.accounts.tokens import hash_token, mint_token
 from trainer.telemetry import TelemetryClient, deliver_spool
 
 from . import states
-from .logs import rank_log_files, tail_lines
+from .logs import first_failure, tail_lines
 from .models import Attempt
 from .services import mirror_on_run, move_attempt
 
@@ -83,7 +83,7 @@ def launch(attempt_id: int) -> str:
         return _finish(reporter, attempt, work_dir, token, states.FAILED, None, f"could not start torchrun: {error}")
     reporter.emit("state", {"attempt": attempt.number, "state": states.RUNNING, "pid": process.pid})
     exit_code, stopped_by = _supervise(process, attempt.pk)
-    outcome, reason = _outcome(exit_code, stopped_by, work_dir, attempt.run.config["parallel"]["dp"])
+    outcome, reason = _outcome(exit_code, stopped_by, work_dir)
     return _finish(reporter, attempt, work_dir, token, outcome, exit_code, reason)
 
 
@@ -157,24 +157,22 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _outcome(exit_code: int, stopped_by: str | None, work_dir: Path, world_size: int) -> tuple[str, str]:
+def _outcome(exit_code: int, stopped_by: str | None, work_dir: Path) -> tuple[str, str]:
     if stopped_by == "user":
         return states.CANCELLED, "cancelled by user"
     if stopped_by == "worker":
         return states.FAILED, WORKER_SHUTDOWN_REASON
     if exit_code == 0:
         return states.SUCCEEDED, ""
-    return states.FAILED, f"torchrun exited with code {exit_code}\n" + _failure_tail(work_dir, world_size)
+    return states.FAILED, f"torchrun exited with code {exit_code}\n" + _failure_tail(work_dir)
 
 
-def _failure_tail(work_dir: Path, world_size: int) -> str:
-    """The end of the first rank's stderr that holds a traceback, else of the launcher's log."""
-    for rank in range(world_size):
-        for path in rank_log_files(work_dir, rank):
-            if path.name == "stderr.log":
-                lines = tail_lines(path, FAILURE_TAIL_LINES)
-                if any("Traceback" in line or "Error" in line for line in lines):
-                    return f"rank {rank} stderr:\n" + "\n".join(lines)
+def _failure_tail(work_dir: Path) -> str:
+    """Which rank failed first and why, else the end of the launcher's own log."""
+    failure = first_failure(work_dir)
+    if failure is not None:
+        stack = "\n".join(failure.traceback.splitlines()[-FAILURE_TAIL_LINES:])
+        return f"rank {failure.rank} failed first: {failure.message}\n{stack}"
     launcher_log = work_dir / "logs" / "launcher.log"
     return "\n".join(tail_lines(launcher_log, FAILURE_TAIL_LINES)) if launcher_log.exists() else ""
 
