@@ -135,7 +135,11 @@ def test_attempt_token_is_not_a_user_token(client, platform_user):
     assert api(client, "get", "/api/runs", attempt_token).status_code == 401
 
 
-def test_openapi_schema_documents_the_routes(client):
+def test_openapi_schema_is_for_logged_in_users_and_documents_the_routes(client, platform_user):
+    assert client.get("/api/openapi.json").status_code == 302
+    assert client.get("/api/docs").status_code == 302
+    client.force_login(platform_user[0])
+    assert client.get("/api/docs").status_code == 200
     schema = client.get("/api/openapi.json").json()
     for route in ("/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/events", "/api/runs/{run_id}/cancel", "/api/ingest"):
         assert route in schema["paths"], route

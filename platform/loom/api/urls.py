@@ -1,3 +1,4 @@
+from django.contrib.auth.decorators import login_required
 from ninja import NinjaAPI
 
 from loom.runs.api import router as runs_router
@@ -5,6 +6,6 @@ from loom.telemetry.api import router as telemetry_router
 
 from .auth import user_auth
 
-api = NinjaAPI(title="loom", version="1", auth=user_auth, urls_namespace="api")
+api = NinjaAPI(title="loom", version="1", auth=user_auth, urls_namespace="api", docs_decorator=login_required)
 api.add_router("/", runs_router)
 api.add_router("/", telemetry_router)
