@@ -4,8 +4,6 @@ from django import forms
 
 from trainer.config import RunConfig
 
-from . import services
-
 # (section heading, [(config path, label)]): the subset of the run config the page asks for;
 # everything else keeps its schema default.
 CONFIG_SECTIONS = [
@@ -53,7 +51,7 @@ def config_input(path: str, label: str) -> forms.CharField:
 
 
 class NewRunForm(forms.Form):
-    """Every input is optional text here; validation is services.validate_run_input's alone."""
+    """Collects the inputs as typed and shows the service's verdict on them; it checks nothing itself."""
 
     name = forms.CharField(label="Name", required=False, widget=forms.TextInput(attrs={"autofocus": True}))
 
@@ -67,25 +65,22 @@ class NewRunForm(forms.Form):
         """(heading, bound fields) for the template to lay out as fieldsets."""
         return [(heading, [self[path] for path, _ in inputs]) for heading, inputs in CONFIG_SECTIONS]
 
-    def config_document(self) -> dict:
-        """The nested run-config document built from the config inputs, values as typed."""
+    def run_input(self) -> tuple[str | None, dict]:
+        """The name and the nested run-config document, values exactly as typed."""
         document: dict = {}
         for path in CONFIG_PATHS:
             *sections, name = path.split(".")
             target = document
             for section in sections:
                 target = target.setdefault(section, {})
-            target[name] = self.cleaned_data[path]
-        return document
+            target[name] = self[path].value()
+        return self["name"].value(), document
 
-    def clean(self):
-        try:
-            services.validate_run_input(self.cleaned_data["name"], self.config_document())
-        except services.RunInputError as error:
-            for key, message in error.errors.items():
-                field = input_for(key)
-                self.add_error(field, message if field else f"{key}: {message}")
-        return self.cleaned_data
+    def add_input_errors(self, errors: dict[str, str]) -> None:
+        """Put each of RunInputError's messages next to its input, or atop the form if it has none."""
+        for key, message in errors.items():
+            field = input_for(key)
+            self.add_error(field, message if field else f"{key}: {message}")
 
 
 def input_for(error_key: str) -> str | None:

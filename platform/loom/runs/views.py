@@ -18,9 +18,11 @@ def new_run(request):
     if request.method != "POST":
         return render(request, "runs/new.html", {"form": NewRunForm()})
     form = NewRunForm(request.POST)
-    if not form.is_valid():
+    try:
+        run = services.create_run(request.user, *form.run_input())
+    except services.RunInputError as error:
+        form.add_input_errors(error.errors)
         return render(request, "runs/new.html", {"form": form}, status=400)
-    run = services.create_run(request.user, form.cleaned_data["name"], form.config_document())
     return redirect("run-detail", run_id=run.pk)
 
 
@@ -28,7 +30,6 @@ def new_run(request):
 def run_detail(request, run_id: int):
     run = services.run_for(request.user, run_id)
     page = {
-        "runId": run.pk,
         "state": run.state,
         "ranks": run.config["parallel"]["dp"],
         "attempt": services.latest_attempt(run).number,

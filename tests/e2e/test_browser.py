@@ -1,0 +1,178 @@
+"""The run pages in real headless Chromium against the real platform: uvicorn + Channels, a Celery
+worker, torchrun training a tiny model on CPU. Nothing is stubbed between the browser and the ranks."""
+
+import os
+import re
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"]
+SCREENSHOT = "/tmp/loom-run.png"
+TRAINING_TIMEOUT_MS = 240_000
+TINY_RUN = {
+    "model.layers": "2",
+    "model.dim": "64",
+    "model.heads": "4",
+    "model.kv_heads": "2",
+    "model.ffn": "172",
+    "model.seq_len": "64",
+    "parallel.dp": "2",
+    "data.micro_batch": "4",
+    "data.corpus_bytes": "300000",
+}
+RANKS = ["0", "1"]
+CLOSE_FIRST_SOCKET_AFTER_MESSAGES = 4
+
+LIVE_POINTS_FROM_EVERY_RANK = """(ranks) => {
+  const run = window.loomRun;
+  return run.state === "running" && ranks.every((rank) => (run.points.loss[rank] || []).length > 0);
+}"""
+
+
+@pytest.fixture
+def browser(live_platform, platform_user):
+    # Playwright's sync API keeps an event loop in this thread, and Django refuses ORM calls under
+    # one: the platform and the user are set up before the browser starts and torn down after it.
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(live_platform, platform_user, browser):
+    """A page logged in through the login form."""
+    user, password = platform_user
+    context = browser.new_context(base_url=live_platform.url, viewport={"width": 1280, "height": 1100})
+    page = context.new_page()
+    page.goto("/")
+    expect(page).to_have_url(re.compile(r"/login/\?next=/$"))
+    page.fill("#id_username", user.username)
+    page.fill("#id_password", password)
+    page.click("button:has-text('Log in')")
+    expect(page).to_have_url(f"{live_platform.url}/")
+    yield page
+    context.close()
+
+
+def create_run_through_the_form(page, name: str, steps: int) -> int:
+    page.goto("/runs/new/")
+    page.fill("#id_name", name)
+    for field, value in {**TINY_RUN, "steps": str(steps)}.items():
+        page.fill(f'[name="{field}"]', value)
+    page.click("button:has-text('Create run')")
+    page.wait_for_url(re.compile(r"/runs/\d+/$"))
+    return int(re.search(r"/runs/(\d+)/$", page.url).group(1))
+
+
+def wait_for_live_points(page):
+    """Loss points from every rank while the run still reads running: drawn live, not replayed at the end."""
+    page.wait_for_function(LIVE_POINTS_FROM_EVERY_RANK, arg=RANKS, polling="raf", timeout=TRAINING_TIMEOUT_MS)
+
+
+def loss_steps(page) -> dict[str, list[int]]:
+    loss = page.evaluate("window.loomRun.points.loss")
+    return {rank: [step for step, _ in points] for rank, points in loss.items()}
+
+
+def all_events(page, run_id: int) -> list[dict]:
+    """Every stored event of the run, through the same REST API the page resyncs from."""
+    return page.evaluate(
+        """async (runId) => {
+          const events = [];
+          let page;
+          do {
+            const after = events.length ? events[events.length - 1].seq : 0;
+            page = await (await fetch(`/api/runs/${runId}/events?after=${after}&limit=5000`)).json();
+            events.push(...page.events);
+          } while (page.more);
+          return events;
+        }""",
+        run_id,
+    )
+
+
+def assert_page_holds_every_event_once(page, run_id: int):
+    events = all_events(page, run_id)
+    seen = page.evaluate("({lastSeq: loomRun.lastSeq, appliedSeqs: loomRun.appliedSeqs})")
+    assert seen == {"lastSeq": events[-1]["seq"], "appliedSeqs": len(events)}
+
+
+def test_a_run_trains_live_on_the_page_to_success(page):
+    steps = 30
+    run_id = create_run_through_the_form(page, "tiny live run", steps)
+    expect(page.locator("h1")).to_contain_text("tiny live run")
+
+    wait_for_live_points(page)
+    expect(page.locator("#cancel-run")).to_be_visible()
+
+    expect(page.locator("#run-state")).to_have_text("succeeded", timeout=TRAINING_TIMEOUT_MS)
+    assert loss_steps(page) == {rank: list(range(1, steps + 1)) for rank in RANKS}
+    tokens_per_s = page.evaluate("window.loomRun.points.tokens_per_s")
+    assert sorted(tokens_per_s) == RANKS and all(len(points) == steps for points in tokens_per_s.values())
+    assert_page_holds_every_event_once(page, run_id)
+    expect(page.locator("#cancel-run")).to_be_hidden()
+    expect(page.locator('tr[data-attempt="1"] .attempt-state')).to_have_text("succeeded")
+    expect(page.locator('tr[data-attempt="1"] .attempt-exit-code')).to_have_text("0")
+    assert page.evaluate("document.querySelectorAll('#loss-chart .scatterlayer .trace').length") == 2
+
+    page.select_option("#log-rank", "1")
+    expect(page.locator("#live-log")).to_contain_text(f"INFO trainer.train: training {steps} steps")
+    expect(page.locator("#live-log")).to_contain_text("rank 1 finished")
+    page.click("#load-captured")
+    expect(page.locator("#captured-logs")).to_contain_text("stdout.log")
+    expect(page.locator("#captured-logs")).to_contain_text(f"rank 1 step {steps}/{steps}")
+    page.screenshot(path=SCREENSHOT, full_page=True)
+
+
+def test_dropped_socket_messages_and_a_reconnect_leave_no_gap_and_no_duplicate(page):
+    """Every other websocket message is dropped and the first socket is closed under the page:
+    the charts must still hold every step exactly once, filled in from the events API."""
+    sockets_opened = []
+
+    def lossy_socket(client):
+        server = client.connect_to_server()
+        sockets_opened.append(client)
+        received = 0
+
+        def forward_every_other(message):
+            nonlocal received
+            received += 1
+            if received % 2:
+                client.send(message)
+            if len(sockets_opened) == 1 and received == CLOSE_FIRST_SOCKET_AFTER_MESSAGES:
+                client.close()
+
+        server.on_message(forward_every_other)
+
+    page.route_web_socket(re.compile(r"/ws/runs/\d+/$"), lossy_socket)
+    steps = 150
+    run_id = create_run_through_the_form(page, "lossy socket run", steps)
+
+    expect(page.locator("#run-state")).to_have_text("succeeded", timeout=TRAINING_TIMEOUT_MS)
+    # The disconnect notice goes away when a socket opens again.
+    expect(page.locator("#page-notice")).to_be_hidden()
+    assert len(sockets_opened) >= 2, "the page never reconnected after its socket closed"
+    assert loss_steps(page) == {rank: list(range(1, steps + 1)) for rank in RANKS}
+    assert_page_holds_every_event_once(page, run_id)
+
+
+def test_cancel_stops_a_running_run_and_its_whole_process_group(page):
+    run_id = create_run_through_the_form(page, "long run to cancel", 100_000)
+    wait_for_live_points(page)
+
+    page.click("#cancel-run")
+    expect(page.locator("#run-state")).to_have_text("cancelled", timeout=60_000)
+    expect(page.locator("#cancel-run")).to_be_hidden()
+    expect(page.locator('tr[data-attempt="1"] .attempt-state')).to_have_text("cancelled")
+    expect(page.locator('tr[data-attempt="1"] .attempt-reason')).to_contain_text("cancelled by user")
+
+    launcher_states = [e["payload"] for e in all_events(page, run_id) if e["kind"] == "state" and e["rank"] == -1]
+    (running,) = [payload for payload in launcher_states if payload["state"] == "running"]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(running["pid"], 0)
+    assert_page_holds_every_event_once(page, run_id)
