@@ -17,7 +17,6 @@ from loom.celery import app as celery_app
 from loom.runs import states
 from loom.runs.models import Attempt
 
-
 # A queue of this session's own: a demo worker or another test session on the same broker never
 # takes (or hands us) a launch. Set before the Celery app first reads its configuration.
 settings.CELERY_TASK_DEFAULT_QUEUE = f"loom-tests-{os.getpid()}"
@@ -35,8 +34,9 @@ class PlatformServer:
     def __init__(self, port: int):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        config = uvicorn.Config("loom.asgi:application", host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(
+            uvicorn.Config("loom.asgi:application", host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        )
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{port}", daemon=True)
 
     def start(self) -> "PlatformServer":

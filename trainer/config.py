@@ -82,9 +82,7 @@ class DataConfig(_Section):
     """Byte-level text. The corpus ships with every Python: the standard library's own sources."""
 
     corpus: Literal["python-stdlib"] = Field("python-stdlib", description="Where training text comes from.")
-    corpus_bytes: int = Field(
-        2_000_000, ge=10_000, le=200_000_000, description="How many bytes of the corpus to load."
-    )
+    corpus_bytes: int = Field(2_000_000, ge=10_000, le=200_000_000, description="How many bytes of the corpus to load.")
     micro_batch: int = Field(8, ge=1, le=65536, description="Sequences per rank per step.")
     seed: int = Field(0, ge=0, description="Seed for data order and weight initialisation.")
 

@@ -15,7 +15,6 @@ import torch
 
 from trainer.config import RunConfig
 
-
 THIRD_PARTY_DIRS = {"site-packages", "dist-packages"}
 
 

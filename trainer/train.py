@@ -154,9 +154,7 @@ def train(
     torch.manual_seed(config.data.seed)
     model = Transformer(config.model).to(device)
     # The only buffers are RoPE tables computed identically everywhere; re-syncing them every forward is waste.
-    replica = DistributedDataParallel(
-        model, device_ids=[device.index] if on_cuda else None, forward_sync_buffers=False
-    )
+    replica = DistributedDataParallel(model, device_ids=[device.index] if on_cuda else None, forward_sync_buffers=False)
     optimizer = build_optimizer(model, config.optimizer, on_cuda)
     parameters = list(model.parameters())
     sampler = WindowSampler.from_config(config)
@@ -173,7 +171,11 @@ def train(
     )
     logger.info(
         "training %d steps: %d parameters, %d ranks on %s, %d tokens per step",
-        config.steps, model.num_params(), launch.world_size, device, config.tokens_per_step,
+        config.steps,
+        model.num_params(),
+        launch.world_size,
+        device,
+        config.tokens_per_step,
     )
 
     tokens_per_rank_step = config.data.micro_batch * config.model.seq_len
@@ -276,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = StopSignal()
     stop.install()
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s rank{launch.rank} %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{launch.rank} %(levelname)s %(name)s: %(message)s")
     telemetry = TelemetryClient(
         url=launch.url,
         token=launch.token,

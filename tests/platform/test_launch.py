@@ -67,7 +67,9 @@ def test_run_through_celery_trains_reports_every_step_and_ignores_a_second_deliv
     assert detail["attempts"][0]["state"] == states.SUCCEEDED and detail["attempts"][0]["finished_at"]
 
 
-def test_spool_delivers_every_event_after_the_platform_was_unreachable(platform_user, platform_server, runs_dir, tmp_path):
+def test_spool_delivers_every_event_after_the_platform_was_unreachable(
+    platform_user, platform_server, runs_dir, tmp_path
+):
     run, attempt, token = claimed_run(platform_user[0], "offline start")
     (tmp_path / "config.json").write_text(json.dumps(run.config))
     port = free_port()
@@ -103,7 +105,6 @@ def test_spool_delivers_every_event_after_the_platform_was_unreachable(platform_
         batch_seqs = sorted(IngestBatch.objects.filter(attempt=attempt, rank=rank).values_list("seq", flat=True))
         assert batch_seqs == list(range(len(batch_seqs)))
         assert not list((spool / f"rank{rank}").glob("*.json")), "every spooled batch was delivered and removed"
-
 
 
 def test_a_crashing_rank_fails_the_run_with_its_traceback_as_the_reason(live_platform, platform_user):

@@ -11,6 +11,7 @@ from loom.telemetry.services import ingest_batch
 
 from .helpers import batch, claimed_run
 
+
 def socket_url(server, run_id: int) -> str:
     return server.url.replace("http://", "ws://") + f"/ws/runs/{run_id}/"
 

@@ -25,7 +25,7 @@ def test_the_corpus_is_the_standard_library_in_path_order_without_site_packages(
 
 def test_the_same_seed_step_and_rank_give_the_same_batch():
     first, second = sampler(), sampler()
-    for a, b in zip(first.batch(step=7, rank=1), second.batch(step=7, rank=1)):
+    for a, b in zip(first.batch(step=7, rank=1), second.batch(step=7, rank=1), strict=True):
         assert torch.equal(a, b)
 
 
@@ -42,7 +42,7 @@ def test_targets_are_the_inputs_shifted_by_one_token_of_a_corpus_window():
     assert inputs.shape == targets.shape == (4, 32)
     assert inputs.dtype == targets.dtype == torch.int64
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
-    for first, rest in zip(inputs[:, 0].tolist(), targets.tolist()):
+    for first, rest in zip(inputs[:, 0].tolist(), targets.tolist(), strict=True):
         assert bytes([first, *rest]) in corpus
 
 

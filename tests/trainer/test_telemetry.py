@@ -94,7 +94,7 @@ def test_large_volumes_are_split_into_batches_within_the_limits(tmp_path):
     client = offline_client(tmp_path)
     for index in range(4500):
         client.emit("metric", {"index": index})
-    for index in range(60):
+    for _ in range(60):
         client.emit("log", {"level": "INFO", "message": "x" * 20_000, "logger": "big"})
     client.close(timeout_s=5)
 

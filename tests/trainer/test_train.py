@@ -163,7 +163,7 @@ def test_the_learning_rate_warms_up_linearly_then_decays_to_its_floor():
     optimizer = OptimizerConfig(lr=1e-3, warmup_steps=4, min_lr_ratio=0.1)
     rates = [learning_rate(step, 20, optimizer) for step in range(1, 21)]
     assert rates[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
-    assert all(later < earlier for earlier, later in zip(rates[3:], rates[4:]))
+    assert all(later < earlier for earlier, later in zip(rates[3:], rates[4:], strict=False))
     assert rates[-1] == pytest.approx(1e-4)
     without_warmup = optimizer.model_copy(update={"warmup_steps": 0})
     assert 0.99e-3 < learning_rate(1, 20, without_warmup) < 1e-3

@@ -97,9 +97,7 @@ def _apply_launcher_state(attempt: Attempt, payload: dict) -> None:
     if target == attempt.state:
         return
     try:
-        run_services.move_attempt(
-            attempt, target, exit_code=payload.get("exit_code"), reason=payload.get("reason", "")
-        )
+        run_services.move_attempt(attempt, target, exit_code=payload.get("exit_code"), reason=payload.get("reason", ""))
     except ValueError as error:
         log.warning("launcher reported state %r for %s, kept %s: %s", target, attempt, attempt.state, error)
 
