@@ -79,6 +79,14 @@ def stop_active_attempts() -> None:
     )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def purge_session_queue():
+    """Launches queued by tests that start no worker would otherwise stay in the broker for good."""
+    yield
+    with celery_app.connection_for_write() as connection:
+        connection.default_channel.queue_purge(settings.CELERY_TASK_DEFAULT_QUEUE)
+
+
 @pytest.fixture
 def runs_dir(settings, tmp_path):
     settings.LOOM_RUNS_DIR = tmp_path / "runs"
