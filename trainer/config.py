@@ -5,6 +5,7 @@ Pure pydantic, no torch: the platform imports this module to validate what users
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -53,17 +54,81 @@ class ModelConfig(_Section):
         return kv_heads
 
 
-class ParallelConfig(_Section):
-    """How the job is spread over processes. Tensor, pipeline and context degrees come later."""
+PIPELINE_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+# How many stages each pipeline rank holds under each schedule: one; several, placed round-robin
+# ("looped"); or exactly two, placed as a V (rank r holds stage r and stage 2·pp−1−r).
+ONE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
+LOOPED_SCHEDULES = frozenset({"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"})
+V_SCHEDULES = frozenset({"ZBVZeroBubble", "DualPipeV"})
 
-    dp: int = Field(1, ge=1, le=4096, description="Data-parallel degree: ranks launched, each with a model replica.")
+
+class ParallelConfig(_Section):
+    """How the job is spread over ranks: world size = pp × dp_replicate × dp_shard × cp × tp.
+
+    Ranks are placed with tp innermost, then cp, dp_shard, dp_replicate and pp outermost."""
+
+    dp_replicate: int = Field(
+        1, ge=1, le=4096, description="Model replicas: plain data parallel (DDP), or the replicated dim of HSDP."
+    )
+    dp_shard: int = Field(
+        1, ge=1, le=4096, description="Ranks that shard parameters, gradients and optimizer state (FSDP2); 1 = none."
+    )
+    tp: int = Field(1, ge=1, le=512, description="Tensor-parallel degree: attention heads and MLP split over ranks.")
+    sequence_parallel: bool = Field(
+        True, description="With tp > 1, also split norms and residuals along the sequence (saves activations)."
+    )
+    loss_parallel: bool = Field(
+        True, description="With tp > 1, compute the loss on vocabulary-sharded logits, never gathering them."
+    )
+    pp: int = Field(1, ge=1, le=512, description="Pipeline-parallel degree: consecutive layers split into stages.")
+    pp_schedule: Literal[PIPELINE_SCHEDULES] = Field("1F1B", description="The pipeline schedule, by PyTorch's name.")
+    stages_per_rank: int = Field(
+        1, ge=1, le=64, description="Pipeline stages on each pipeline rank (virtual stages); 2 for V schedules."
+    )
+    microbatches: int = Field(
+        1, ge=1, le=65536, description="Pipeline microbatches that split each rank's batch; at least pp."
+    )
+    cp: int = Field(1, ge=1, le=512, description="Context-parallel degree: the sequence split over ranks.")
+    reshard_after_forward: bool = Field(
+        True, description="FSDP2: free gathered parameters after forward (less memory, one more all-gather)."
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Collective backend; auto picks NCCL on CUDA and gloo on CPU."
     )
 
     @property
+    def data_parallel(self) -> int:
+        """Ranks that see different data: the batch is split dp_replicate × dp_shard ways."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
     def world_size(self) -> int:
-        return self.dp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+
+class ComputeConfig(_Section):
+    """How each rank computes: precision, activation recompute, compilation and kernels."""
+
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="bf16 mixed precision (fp32 master weights and reductions) or fp32; auto is bf16 on CUDA.",
+    )
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="Activation checkpointing: none; selective (attention recomputed); full (whole blocks).",
+    )
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+    kernels: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="Fused Triton kernels (auto: on CUDA) or plain torch."
+    )
 
 
 class OptimizerConfig(_Section):
@@ -83,7 +148,9 @@ class DataConfig(_Section):
 
     corpus: Literal["python-stdlib"] = Field("python-stdlib", description="Where training text comes from.")
     corpus_bytes: int = Field(2_000_000, ge=10_000, le=200_000_000, description="How many bytes of the corpus to load.")
-    micro_batch: int = Field(8, ge=1, le=65536, description="Sequences per rank per step.")
+    micro_batch: int = Field(
+        8, ge=1, le=65536, description="Sequences per data-parallel rank per step (tp, cp and pp ranks share them)."
+    )
     seed: int = Field(0, ge=0, description="Seed for data order and weight initialisation.")
 
 
@@ -105,7 +172,7 @@ class FaultsConfig(_Section):
     """Failures injected on purpose, to rehearse what the platform does when a rank dies."""
 
     crash_at_step: int | None = Field(None, ge=1, description="Raise an error on crash_rank at this step; null never.")
-    crash_rank: int = Field(0, ge=0, description="The rank that crashes; must be below parallel.dp.")
+    crash_rank: int = Field(0, ge=0, description="The rank that crashes; must be below the world size.")
 
 
 class RunConfig(_Section):
@@ -114,6 +181,7 @@ class RunConfig(_Section):
     steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to train.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -122,7 +190,7 @@ class RunConfig(_Section):
 
     @property
     def tokens_per_step(self) -> int:
-        return self.data.micro_batch * self.model.seq_len * self.parallel.world_size
+        return self.data.micro_batch * self.model.seq_len * self.parallel.data_parallel
 
 
 class ConfigError(ValueError):
@@ -159,13 +227,78 @@ def parse_config(document: Any) -> RunConfig:
     return config
 
 
+def world_size_of(document: dict) -> int:
+    """Ranks a stored (already validated) run config needs."""
+    return RunConfig.model_validate(document).parallel.world_size
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def cross_section_errors(config: RunConfig) -> dict[str, str]:
-    """Rules that relate fields of different sections, keyed by the field a user should change."""
-    errors = {}
-    if config.data.corpus_bytes < config.model.seq_len + 1:
-        errors["data.corpus_bytes"] = (
-            f"must be at least model.seq_len + 1 = {config.model.seq_len + 1} to cut one training window"
-        )
-    if config.faults.crash_rank >= config.parallel.world_size:
-        errors["faults.crash_rank"] = f"must be below the world size {config.parallel.world_size}"
+    """Rules that relate fields of different sections, keyed by the field a user should change.
+
+    The trainer checks these before any process group exists; the API and the planner reuse them."""
+    errors: dict[str, str] = {}
+    model, parallel, data = config.model, config.parallel, config.data
+
+    def refuse(field: str, message: str) -> None:
+        errors.setdefault(field, message)
+
+    if data.corpus_bytes < model.seq_len + 1:
+        minimum = model.seq_len + 1
+        refuse("data.corpus_bytes", f"must be at least model.seq_len + 1 = {minimum} to cut one training window")
+    if parallel.tp > 1:
+        for name, size in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", model.ffn)):
+            if size % parallel.tp:
+                valid = [d for d in divisors(model.heads) if model.kv_heads % d == 0 and model.ffn % d == 0]
+                refuse("parallel.tp", f"must divide model.{name}={size}; valid choices are {valid}")
+        if model.vocab % parallel.tp:
+            valid = divisors(model.vocab)[:12]
+            refuse("parallel.tp", f"must divide model.vocab={model.vocab}; valid choices include {valid}")
+    sequence_splits = []
+    if parallel.cp > 1:
+        sequence_splits.append((2 * parallel.cp, f"2 × cp = {2 * parallel.cp} load-balanced chunks"))
+    if parallel.tp > 1 and parallel.sequence_parallel:
+        sequence_splits.append((parallel.tp, f"tp = {parallel.tp} sequence-parallel shards"))
+    split = math.prod(size for size, _ in sequence_splits)
+    if model.seq_len % split:
+        reasons = " × ".join(reason for _, reason in sequence_splits)
+        refuse("model.seq_len", f"must be divisible by {split} ({reasons})")
+    _pipeline_errors(config, refuse)
+    if config.faults.crash_rank >= parallel.world_size:
+        refuse("faults.crash_rank", f"must be below the world size {parallel.world_size}")
     return errors
+
+
+def _pipeline_errors(config: RunConfig, refuse) -> None:
+    parallel, layers = config.parallel, config.model.layers
+    if parallel.pp == 1:
+        if parallel.stages_per_rank != 1:
+            refuse("parallel.stages_per_rank", "must be 1 without pipeline parallelism (pp = 1)")
+        if parallel.microbatches != 1:
+            refuse("parallel.microbatches", "must be 1 without pipeline parallelism (pp = 1)")
+        return
+    schedule = parallel.pp_schedule
+    if schedule in ONE_STAGE_SCHEDULES and parallel.stages_per_rank != 1:
+        refuse("parallel.stages_per_rank", f"must be 1 for {schedule}; use Interleaved1F1B or LoopedBFS for more")
+    if schedule in LOOPED_SCHEDULES and parallel.stages_per_rank < 2:
+        refuse("parallel.stages_per_rank", f"must be at least 2 for {schedule}; with 1 stage per rank use 1F1B")
+    if schedule in V_SCHEDULES and parallel.stages_per_rank != 2:
+        refuse("parallel.stages_per_rank", f"must be 2 for {schedule}: each rank holds two stages, placed as a V")
+    stages = parallel.pp * parallel.stages_per_rank
+    if layers % stages:
+        valid = [p for p in divisors(layers) if p > 1 and (layers // p) % parallel.stages_per_rank == 0]
+        refuse(
+            "parallel.pp",
+            f"pp × stages_per_rank = {stages} must divide model.layers={layers}; valid pp here: {valid}",
+        )
+    if parallel.microbatches < parallel.pp:
+        refuse("parallel.microbatches", f"must be at least pp={parallel.pp} to keep every stage busy")
+    if config.data.micro_batch % parallel.microbatches:
+        valid = [m for m in divisors(config.data.micro_batch) if m >= parallel.pp]
+        refuse(
+            "parallel.microbatches",
+            f"must divide data.micro_batch={config.data.micro_batch}; valid choices are {valid}",
+        )

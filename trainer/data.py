@@ -1,7 +1,9 @@
 """Byte-level training data from the Python standard library's own sources.
 
-Every Python install ships the corpus, so a run needs no download. Batches are a pure
-function of (seed, step, rank): a restarted or resharded run sees exactly the same data.
+Every Python install ships the corpus, so a run needs no download. A step's global batch is a
+pure function of (seed, step); data-parallel rank r of n takes its r-th slice. So a restarted run,
+or the same run in another layout (one process with an n-times larger micro_batch included), sees
+exactly the same data.
 """
 
 from __future__ import annotations
@@ -43,14 +45,15 @@ def load_corpus(max_bytes: int, root: Path | None = None) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
-def batch_seed(seed: int, step: int, rank: int) -> int:
+def batch_seed(seed: int, step: int) -> int:
     """A 63-bit generator seed that is the same in every process (unlike hash())."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
 class WindowSampler:
-    """Draws micro_batch random windows of seq_len + 1 tokens per (step, rank)."""
+    """Draws a step's global batch of random windows of seq_len + 1 tokens; each data-parallel rank
+    takes micro_batch of them."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, micro_batch: int, seed: int):
         if tokens.numel() < seq_len + 1:
@@ -69,10 +72,11 @@ class WindowSampler:
         tokens = load_corpus(config.data.corpus_bytes)
         return cls(tokens, config.model.seq_len, config.data.micro_batch, config.data.seed)
 
-    def batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 [micro_batch, seq_len]; targets are inputs shifted left by one."""
-        generator = torch.Generator().manual_seed(batch_seed(self.seed, step, rank))
+        generator = torch.Generator().manual_seed(batch_seed(self.seed, step))
         last_start = self.tokens.numel() - (self.seq_len + 1)
-        starts = torch.randint(0, last_start + 1, (self.micro_batch,), generator=generator)
+        global_starts = torch.randint(0, last_start + 1, (self.micro_batch * dp_size,), generator=generator)
+        starts = global_starts[dp_rank * self.micro_batch : (dp_rank + 1) * self.micro_batch]
         windows = self.tokens[starts[:, None] + self._offsets].long()
         return windows[:, :-1], windows[:, 1:]

@@ -1,6 +1,7 @@
 """A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU.
 
-The model holds no parallelism; trainer.train (and later trainer.parallel) applies it from outside.
+The model holds no parallelism; trainer.parallel applies it from outside. Pipeline stages are copies
+of this model with the parts other stages own set to None, so every parameter keeps its name.
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, dim]; cos/sin cover at least T positions. Head counts are read from the
+        projections' outputs (-1), so the same code runs on a tensor-parallel shard of the heads."""
         batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, self.heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq_len, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq_len, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:seq_len], sin[:seq_len]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
@@ -90,10 +94,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embedding = nn.Embedding(cfg.vocab, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm = nn.RMSNorm(cfg.dim, eps=NORM_EPS)
-        self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.embedding: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.dim)
+        # A dict keyed by layer number: a pipeline stage deletes the layers it does not own and the
+        # rest keep their names (blocks.7.…), so checkpoints and comparisons line up across layouts.
+        self.blocks = nn.ModuleDict({str(index): Block(cfg) for index in range(cfg.layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=NORM_EPS)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         cos, sin = rotary_tables(cfg.seq_len, cfg.dim // cfg.heads)
         # Non-persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -114,12 +120,15 @@ class Transformer(nn.Module):
         return sum(parameter.numel() for parameter in self.parameters())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] int64 with T <= seq_len -> logits [B, T, vocab]."""
-        seq_len = tokens.shape[1]
-        if seq_len > self.cfg.seq_len:
-            raise ValueError(f"sequence of {seq_len} tokens is longer than model.seq_len={self.cfg.seq_len}")
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-        x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        return self.output(self.norm(x))
+        """tokens [B, T] int64 with T <= seq_len -> logits [B, T, vocab].
+
+        A pipeline stage without the embedding takes hidden states [B, T, dim] instead, and one
+        without the output projection returns them."""
+        if tokens.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than model.seq_len={self.cfg.seq_len}")
+        x = self.embedding(tokens) if self.embedding is not None else tokens
+        for block in self.blocks.values():
+            x = block(x, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.output(x) if self.output is not None else x

@@ -1,14 +1,14 @@
-"""Data-parallel training: `torchrun --standalone --nproc_per_node=N -m trainer.train --config run.json`.
+"""Training entry point: `torchrun --standalone --nproc_per_node=N -m trainer.train --config run.json`.
 
-N must equal parallel.dp. Each rank reports metrics, logs and state changes through its own
-TelemetryClient (LOOM_URL, LOOM_TOKEN, LOOM_ATTEMPT; spooled under LOOM_SPOOL_DIR). SIGTERM stops
-every rank at the same step boundary, reports the stop and exits with 143.
+N must equal the config's world size (pp × dp_replicate × dp_shard × cp × tp). Each rank reports
+metrics, logs and state changes through its own TelemetryClient (LOOM_URL, LOOM_TOKEN,
+LOOM_ATTEMPT; spooled under LOOM_SPOOL_DIR). SIGTERM stops every rank at the same step boundary,
+reports the stop and exits with 143.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -22,14 +22,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.tensor import DTensor
 
 from trainer import faults
 from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
 from trainer.data import WindowSampler
 from trainer.model import Transformer
+from trainer.parallel.apply import ParallelModel, parallelize
+from trainer.parallel.mesh import MESH_DIMS, ParallelMesh
+from trainer.parallel.state import dump_full_parameters
 from trainer.telemetry import TelemetryClient, TelemetryLogHandler
 
 # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM, so launchers read it as a stop.
@@ -58,6 +60,8 @@ class Launch:
     token: str | None
     attempt: int | None
     spool_dir: Path
+    # LOOM_DUMP_PARAMS_DIR: write the full final parameters there (layout comparisons, debugging).
+    dump_params_dir: Path | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> Launch:
@@ -65,7 +69,7 @@ class Launch:
         if missing:
             raise LaunchError(
                 f"{', '.join(missing)} not set; start with "
-                "`torchrun --standalone --nproc_per_node=<parallel.dp> -m trainer.train --config CONFIG.json`"
+                "`torchrun --standalone --nproc_per_node=<world size> -m trainer.train --config CONFIG.json`"
             )
         url = environ.get("LOOM_URL") or None
         token = environ.get("LOOM_TOKEN") or None
@@ -82,6 +86,7 @@ class Launch:
             token=token,
             attempt=int(attempt) if attempt is not None else None,
             spool_dir=Path(environ.get("LOOM_SPOOL_DIR") or DEFAULT_SPOOL_DIR),
+            dump_params_dir=Path(environ["LOOM_DUMP_PARAMS_DIR"]) if environ.get("LOOM_DUMP_PARAMS_DIR") else None,
         )
 
 
@@ -102,6 +107,8 @@ class StopSignal:
 class Outcome:
     last_step: int
     stopped: bool
+    parallel_model: ParallelModel
+    mesh: ParallelMesh
 
 
 def load_config(path: Path) -> RunConfig:
@@ -129,9 +136,11 @@ def learning_rate(step: int, total_steps: int, optimizer: OptimizerConfig) -> fl
     return optimizer.lr * (optimizer.min_lr_ratio + (1.0 - optimizer.min_lr_ratio) * cosine)
 
 
-def build_optimizer(model: torch.nn.Module, optimizer: OptimizerConfig, on_cuda: bool) -> torch.optim.AdamW:
+def build_optimizer(
+    parameters: list[torch.nn.Parameter], optimizer: OptimizerConfig, on_cuda: bool
+) -> torch.optim.AdamW:
     """AdamW that decays matrices and embeddings only; norm gains keep their scale."""
-    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    parameters = [parameter for parameter in parameters if parameter.requires_grad]
     groups = [
         {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": optimizer.weight_decay},
         {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
@@ -141,23 +150,19 @@ def build_optimizer(model: torch.nn.Module, optimizer: OptimizerConfig, on_cuda:
     )
 
 
-def precision(on_cuda: bool) -> contextlib.AbstractContextManager:
-    """bf16 autocast on GPUs; CPUs train in fp32, where bf16 matmuls are slow or emulated."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else contextlib.nullcontext()
-
-
 def train(
     config: RunConfig, launch: Launch, device: torch.device, telemetry: TelemetryClient, stop: StopSignal
 ) -> Outcome:
-    on_cuda = device.type == "cuda"
-    # Same seed on every rank: replicas start identical even before DDP's broadcast.
+    mesh = ParallelMesh(config.parallel, launch.world_size, device.type)
+    # Same seed on every rank: every layout starts from the weights a single process would have.
     torch.manual_seed(config.data.seed)
     model = Transformer(config.model).to(device)
-    # The only buffers are RoPE tables computed identically everywhere; re-syncing them every forward is waste.
-    replica = DistributedDataParallel(model, device_ids=[device.index] if on_cuda else None, forward_sync_buffers=False)
-    optimizer = build_optimizer(model, config.optimizer, on_cuda)
-    parameters = list(model.parameters())
+    params_total = model.num_params()
+    parallel_model = parallelize(model, mesh, config, device)
+    parameters = parallel_model.parameters()
+    optimizer = build_optimizer(parameters, config.optimizer, device.type == "cuda")
     sampler = WindowSampler.from_config(config)
+    data_parallel = config.parallel.data_parallel
 
     telemetry.emit(
         "state",
@@ -166,62 +171,89 @@ def train(
             "world_size": launch.world_size,
             "device": str(device),
             "backend": dist.get_backend(),
-            "params": model.num_params(),
+            "params": params_total,
+            "mesh": mesh.coordinates(),
         },
     )
     logger.info(
-        "training %d steps: %d parameters, %d ranks on %s, %d tokens per step",
+        "training %d steps: %d parameters, %d ranks on %s (%s), %d tokens per step",
         config.steps,
-        model.num_params(),
+        params_total,
         launch.world_size,
         device,
+        " × ".join(f"{dim} {getattr(config.parallel, dim)}" for dim in MESH_DIMS),
         config.tokens_per_step,
     )
 
     tokens_per_rank_step = config.data.micro_batch * config.model.seq_len
     tokens_seen = 0
+    losses: list[float] = []
     for step in range(1, config.steps + 1):
         faults.before_step(config.faults, step, launch.rank)
         started = time.perf_counter()
         lr = learning_rate(step, config.steps, config.optimizer)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = (tensor.to(device, non_blocking=True) for tensor in sampler.batch(step, launch.rank))
-        with precision(on_cuda):
-            logits = replica(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        batch = sampler.batch(step, mesh.dp_rank, data_parallel)
+        inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-        if config.optimizer.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(parameters, config.optimizer.grad_clip, grad_norm)
+        loss = parallel_model.forward_backward(inputs, targets)
+        norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh)
         optimizer.step()
 
-        # One collective per step carries both the loss mean and the stop vote, so every rank
-        # leaves the loop after the same step and none is left waiting in a collective.
-        shared = torch.stack([loss.detach(), loss.new_tensor(float(stop.requested))])
+        # One collective per step carries the loss sum, how many ranks hold a loss (only the last
+        # pipeline stage does) and the stop vote, so every rank leaves the loop after the same step.
+        local_loss = to_local_value(loss) if loss is not None else None
+        shared = torch.tensor(
+            [local_loss or 0.0, float(local_loss is not None), float(stop.requested)], dtype=torch.float64
+        )
         dist.all_reduce(shared)
-        local_loss, norm, loss_sum, stop_votes = torch.cat([loss.detach().view(1), grad_norm.view(1), shared]).tolist()
+        loss_sum, loss_count, stop_votes = shared.tolist()
         step_time = time.perf_counter() - started
         tokens_seen += tokens_per_rank_step
         metrics = {
-            "loss": local_loss,
-            "loss_mean": loss_sum / launch.world_size,
+            "loss_mean": loss_sum / loss_count,
             "grad_norm": norm,
             "lr": lr,
             "step_time_s": step_time,
             "tokens_per_s": tokens_per_rank_step / step_time,
             "tokens": tokens_seen,
         }
+        if local_loss is not None:
+            metrics["loss"] = local_loss
+        losses.append(metrics["loss_mean"])
         telemetry.emit("metric", metrics, step=step)
         print(
-            f"rank {launch.rank} step {step}/{config.steps} loss {local_loss:.4f} mean {metrics['loss_mean']:.4f} "
-            f"grad_norm {norm:.3f} lr {lr:.2e} {metrics['tokens_per_s']:,.0f} tok/s {step_time * 1000:.0f} ms",
+            f"rank {launch.rank} step {step}/{config.steps} loss {metrics.get('loss', float('nan')):.4f} "
+            f"mean {metrics['loss_mean']:.4f} grad_norm {norm:.3f} lr {lr:.2e} "
+            f"{metrics['tokens_per_s']:,.0f} tok/s {step_time * 1000:.0f} ms",
             flush=True,
         )
         if stop_votes:
-            return Outcome(last_step=step, stopped=True)
-    return Outcome(last_step=config.steps, stopped=False)
+            return Outcome(last_step=step, stopped=True, parallel_model=parallel_model, mesh=mesh)
+    return Outcome(last_step=config.steps, stopped=False, parallel_model=parallel_model, mesh=mesh)
+
+
+def to_local_value(value: torch.Tensor) -> float:
+    return (value.full_tensor() if isinstance(value, DTensor) else value).item()
+
+
+def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float, mesh: ParallelMesh) -> float:
+    """The global gradient norm over every shard and stage, and grads scaled to max_norm if above it."""
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    squares = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        local_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        squares += to_local_value(local_norm) ** 2
+    if mesh.parallel.pp > 1:
+        # Each pipeline rank holds other layers: their squared norms add up.
+        dist.all_reduce(squares, group=mesh["pp"].get_group())
+    total = squares.sqrt().item()
+    if max_norm > 0 and total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for grad in grads:
+            grad.mul_(scale)
+    return total
 
 
 def run(config: RunConfig, launch: Launch, telemetry: TelemetryClient, stop: StopSignal) -> Outcome:
@@ -245,6 +277,8 @@ def run(config: RunConfig, launch: Launch, telemetry: TelemetryClient, stop: Sto
         logger.info("stopped by SIGTERM after step %d", outcome.last_step)
     else:
         telemetry.emit("state", {"state": "finished", "steps": outcome.last_step}, step=outcome.last_step)
+    if launch.dump_params_dir is not None:
+        dump_full_parameters(outcome.parallel_model, outcome.mesh, launch.dump_params_dir)
     # Every rank reaches this point after the same step; without the barrier gloo can abort a peer still exiting.
     dist.barrier()
     dist.destroy_process_group()
@@ -258,10 +292,11 @@ def configure(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[RunCo
     args = parser.parse_args(argv)
     config = load_config(args.config)
     launch = Launch.from_environment(environ)
-    if launch.world_size != config.parallel.dp:
+    expected = config.parallel.world_size
+    if launch.world_size != expected:
         raise LaunchError(
-            f"torchrun started {launch.world_size} ranks but parallel.dp={config.parallel.dp}; "
-            f"launch with --nproc_per_node={config.parallel.dp}"
+            f"torchrun started {launch.world_size} ranks but the layout needs {expected} "
+            f"(pp × dp_replicate × dp_shard × cp × tp); launch with --nproc_per_node={expected}"
         )
     return config, launch
 

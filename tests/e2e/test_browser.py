@@ -20,7 +20,7 @@ TINY_RUN = {
     "model.kv_heads": "2",
     "model.ffn": "172",
     "model.seq_len": "64",
-    "parallel.dp": "2",
+    "parallel.dp_replicate": "2",
     "data.micro_batch": "4",
     "data.corpus_bytes": "300000",
 }

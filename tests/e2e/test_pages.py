@@ -6,11 +6,12 @@ The `db` fixture is not transactional, so create_run's on-commit launch never fi
 import pytest
 from django.test import Client
 
-from loom.runs.forms import input_for
+from loom.runs.forms import NewRunForm, input_for
 from loom.runs.models import Run
 from loom.runs.services import cancel_run, create_run
 
 TINY_FORM = {
+    **{path: field.initial for path, field in NewRunForm().fields.items()},
     "name": "tiny",
     "steps": "30",
     "model.layers": "2",
@@ -19,7 +20,7 @@ TINY_FORM = {
     "model.kv_heads": "2",
     "model.ffn": "172",
     "model.seq_len": "64",
-    "parallel.dp": "2",
+    "parallel.dp_replicate": "2",
     "optimizer.lr": "0.003",
     "optimizer.warmup_steps": "2",
     "data.micro_batch": "4",
@@ -40,7 +41,7 @@ def logged_in(client, ada):
 
 @pytest.fixture
 def adas_run(ada):
-    return create_run(ada, "ada's run", {"parallel": {"dp": 2}})
+    return create_run(ada, "ada's run", {"parallel": {"dp_replicate": 2}})
 
 
 def field_errors(response, name: str) -> list[str]:
@@ -160,7 +161,7 @@ def test_invalid_form_shows_each_error_next_to_its_field_and_keeps_values(logged
 @pytest.mark.parametrize(
     ("field", "typed", "message"),
     [
-        ("parallel.dp", "1.5", "valid integer"),
+        ("parallel.dp_replicate", "1.5", "valid integer"),
         ("model.layers", "", "valid integer"),
         ("optimizer.lr", "fast", "valid number"),
         ("optimizer.lr", "0", "greater than 0"),
@@ -214,7 +215,7 @@ def test_valid_form_creates_the_run_and_opens_its_page(logged_in, ada):
         "vocab": 256,
         "seq_len": 64,
     }
-    assert run.config["parallel"]["dp"] == 2
+    assert run.config["parallel"]["dp_replicate"] == 2
     assert run.config["optimizer"]["lr"] == 0.003 and run.config["optimizer"]["warmup_steps"] == 2
     assert run.config["data"]["micro_batch"] == 4 and run.config["data"]["corpus_bytes"] == 300000
     assert run.attempts.get().number == 1

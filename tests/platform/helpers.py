@@ -9,7 +9,7 @@ from loom.runs.services import create_run
 TINY_CONFIG = {
     "steps": 20,
     "model": {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 172, "seq_len": 64},
-    "parallel": {"dp": 2},
+    "parallel": {"dp_replicate": 2},
     "optimizer": {"lr": 0.003, "warmup_steps": 2},
     "data": {"micro_batch": 4, "corpus_bytes": 300000},
     "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 1.0},

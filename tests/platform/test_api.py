@@ -30,13 +30,13 @@ def test_create_run_returns_201_with_id_and_queued_attempt(client, platform_user
 
 def test_create_run_with_bad_fields_is_400_with_field_errors_and_creates_nothing(client, platform_user, token_for):
     token = token_for(platform_user[0])
-    config = {**TINY_CONFIG, "model": {**TINY_CONFIG["model"], "heads": 3}, "parallel": {"dp": 0}}
+    config = {**TINY_CONFIG, "model": {**TINY_CONFIG["model"], "heads": 3}, "parallel": {"dp_shard": 0}}
     response = api(client, "post", "/api/runs", token, {"name": "", "config": config})
     assert response.status_code == 400
     errors = response.json()["errors"]
     assert errors["name"] == "is required"
     assert "must divide dim=64" in errors["config.model.heads"]
-    assert "greater than or equal to 1" in errors["config.parallel.dp"]
+    assert "greater than or equal to 1" in errors["config.parallel.dp_shard"]
     assert not Run.objects.exists()
 
 

@@ -36,6 +36,6 @@ def test_demo_creates_the_login_and_a_queued_run_with_a_valid_config():
     call_command("demo", "--url", "http://127.0.0.1:9999", stdout=out)
     run = Run.objects.get()
     assert (run.owner.username, run.state) == ("demo", states.QUEUED)
-    assert run.config["parallel"]["dp"] == 2
+    assert run.config["parallel"]["dp_replicate"] == 2
     assert authenticate(username="demo", password="demo") is not None
     assert f"http://127.0.0.1:9999/runs/{run.pk}/" in out.getvalue()

@@ -28,10 +28,10 @@ def test_kv_heads_that_do_not_divide_heads_are_reported_on_model_kv_heads():
     assert "must divide heads=4" in errors["model.kv_heads"]
 
 
-def test_zero_data_parallel_ranks_are_reported_on_parallel_dp():
-    errors = errors_of({"parallel": {"dp": 0}})
-    assert list(errors) == ["parallel.dp"]
-    assert "greater than or equal to 1" in errors["parallel.dp"]
+def test_zero_data_parallel_ranks_are_reported_on_the_field():
+    errors = errors_of({"parallel": {"dp_replicate": 0}})
+    assert list(errors) == ["parallel.dp_replicate"]
+    assert "greater than or equal to 1" in errors["parallel.dp_replicate"]
 
 
 def test_an_unknown_field_is_named_by_its_dotted_path():
@@ -57,6 +57,6 @@ def test_rules_across_sections_name_the_field_to_change():
 
 
 def test_an_injected_fault_must_name_an_existing_rank():
-    assert errors_of({"parallel": {"dp": 2}, "faults": {"crash_at_step": 3, "crash_rank": 2}}) == {
+    assert errors_of({"parallel": {"dp_replicate": 2}, "faults": {"crash_at_step": 3, "crash_rank": 2}}) == {
         "faults.crash_rank": "must be below the world size 2"
     }

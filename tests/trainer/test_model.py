@@ -34,7 +34,7 @@ def test_grouped_query_attention_runs_and_backpropagates():
     torch.manual_seed(0)
     config = TINY.model_copy(update={"kv_heads": 2})
     model = Transformer(config)
-    attention = model.blocks[0].attention
+    attention = model.blocks["0"].attention
     assert attention.wk.weight.shape == (2 * 8, 32)
     logits = model(tokens(2, 16))
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens(2, 16, seed=1).flatten())

@@ -18,7 +18,7 @@ STEPS = 20
 TINY_RUN = {
     "steps": STEPS,
     "model": {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 172, "seq_len": 64},
-    "parallel": {"dp": 2},
+    "parallel": {"dp_replicate": 2},
     "optimizer": {"lr": 3e-3, "warmup_steps": 3},
     "data": {"micro_batch": 8, "corpus_bytes": 300_000},
     "telemetry": {"flush_interval_s": 0.2},

@@ -5,6 +5,7 @@ from ninja import Router, Schema, Status
 from ninja.errors import HttpError
 
 from loom.telemetry.services import events_after
+from trainer.config import world_size_of
 
 from . import services
 from .logs import rank_log_files, tail_lines
@@ -119,7 +120,7 @@ def rank_logs(request, run_id: int, number: int, rank: int, lines: int = 200):
     """The tail of what a rank printed (stdout and stderr, as torchrun captured them)."""
     run = services.run_for(request.user, run_id)
     attempt = run.attempts.filter(number=number).first()
-    if attempt is None or not 0 <= rank < run.config["parallel"]["dp"]:
+    if attempt is None or not 0 <= rank < world_size_of(run.config):
         raise HttpError(404, "no such attempt or rank")
     lines = max(1, min(lines, 5000))
     files = {}

@@ -1,5 +1,8 @@
 """The new-run form: the config fields a user sets on the page, labelled and explained by the schema."""
 
+import typing
+from typing import Literal
+
 from django import forms
 
 from trainer.config import RunConfig
@@ -19,7 +22,20 @@ CONFIG_SECTIONS = [
             ("model.seq_len", "Sequence length"),
         ],
     ),
-    ("Parallelism", [("parallel.dp", "Ranks (data parallel)")]),
+    (
+        "Parallelism",
+        [
+            ("parallel.dp_replicate", "Data-parallel replicas"),
+            ("parallel.dp_shard", "FSDP shards"),
+            ("parallel.tp", "Tensor parallel"),
+            ("parallel.sequence_parallel", "Sequence parallel"),
+            ("parallel.pp", "Pipeline stages (ranks)"),
+            ("parallel.pp_schedule", "Pipeline schedule"),
+            ("parallel.stages_per_rank", "Stages per pipeline rank"),
+            ("parallel.microbatches", "Pipeline microbatches"),
+            ("parallel.cp", "Context parallel"),
+        ],
+    ),
     ("Optimizer", [("optimizer.lr", "Learning rate"), ("optimizer.warmup_steps", "Warmup steps")]),
     ("Data", [("data.micro_batch", "Micro-batch"), ("data.corpus_bytes", "Corpus bytes")]),
 ]
@@ -36,17 +52,39 @@ def schema_field(path: str):
     return section_model.model_fields[name]
 
 
-def config_input(path: str, label: str) -> forms.CharField:
+def config_input(path: str, label: str) -> forms.Field:
     """A text input, not a number input: the raw text goes to the schema, the one place that
-    decides what is valid, so "abc" or "1.5" for an integer gets the schema's own message."""
+    decides what is valid, so "abc" or "1.5" for an integer gets the schema's own message.
+    Fields with a fixed set of values (schedules, switches) are a select of exactly those."""
     field = schema_field(path)
+    choices = choices_of(field)
+    if choices:
+        return forms.ChoiceField(
+            label=label, required=False, initial=form_value(field.default), help_text=field.description,
+            choices=[(choice, choice) for choice in choices],
+        )  # fmt: skip
     input_mode = "numeric" if field.annotation is int else "decimal"
     return forms.CharField(
         label=label,
         required=False,
-        initial=str(field.default),
+        initial=form_value(field.default),
         help_text=field.description,
         widget=forms.TextInput(attrs={"inputmode": input_mode, "autocomplete": "off"}),
+    )
+
+
+def form_value(value) -> str:
+    """How a schema default is written in the form: JSON's spelling for booleans."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def choices_of(field) -> list[str]:
+    if field.annotation is bool:
+        return ["true", "false"]
+    return (
+        [str(value) for value in typing.get_args(field.annotation)]
+        if typing.get_origin(field.annotation) is Literal
+        else []
     )
 
 

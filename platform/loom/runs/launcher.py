@@ -18,6 +18,7 @@ from celery.signals import worker_shutting_down
 from django.conf import settings
 
 from loom.accounts.tokens import hash_token, mint_token
+from trainer.config import world_size_of
 from trainer.telemetry import TelemetryClient, deliver_spool
 
 from . import states
@@ -90,7 +91,7 @@ def launch(attempt_id: int) -> str:
 def _spawn(attempt: Attempt, token: str, work_dir: Path) -> subprocess.Popen:
     config_path = work_dir / "config.json"
     config_path.write_text(json.dumps(attempt.run.config, indent=2))
-    world_size = attempt.run.config["parallel"]["dp"]
+    world_size = world_size_of(attempt.run.config)
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", f"--nproc_per_node={world_size}",

@@ -4,6 +4,8 @@ from django.contrib.auth.decorators import login_required
 from django.shortcuts import redirect, render
 from django.urls import reverse
 
+from trainer.config import world_size_of
+
 from . import services, states
 from .forms import NewRunForm
 
@@ -31,7 +33,7 @@ def run_detail(request, run_id: int):
     run = services.run_for(request.user, run_id)
     page = {
         "state": run.state,
-        "ranks": run.config["parallel"]["dp"],
+        "ranks": world_size_of(run.config),
         "attempt": services.latest_attempt(run).number,
         "apiUrl": reverse("api:run_detail", args=[run.pk]),
         "socketPath": f"/ws/runs/{run.pk}/",

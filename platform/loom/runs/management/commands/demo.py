@@ -6,7 +6,7 @@ from loom.runs.services import create_run
 DEMO_CONFIG = {
     "steps": 400,
     "model": {"layers": 4, "dim": 128, "heads": 4, "kv_heads": 2, "ffn": 344, "seq_len": 128},
-    "parallel": {"dp": 2},
+    "parallel": {"dp_replicate": 2},
     "optimizer": {"lr": 0.003, "warmup_steps": 20},
     "data": {"micro_batch": 8, "corpus_bytes": 2_000_000},
 }

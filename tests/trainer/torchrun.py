@@ -1,0 +1,64 @@
+"""Launching the trainer under a real torchrun, for tests that need whole runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.config import parse_config
+from trainer.telemetry import read_spool
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class FinishedRun:
+    returncode: int
+    output: str
+    spool_dir: Path
+    params_dir: Path
+
+    def loss_means(self) -> list[float]:
+        """The all-rank loss mean of every step, as rank 0 reported it."""
+        metrics = [
+            event
+            for batch in read_spool(self.spool_dir)
+            if batch["rank"] == 0
+            for event in batch["events"]
+            if event["kind"] == "metric"
+        ]
+        return [event["payload"]["loss_mean"] for event in sorted(metrics, key=lambda event: event["step"])]
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The final full parameters, merged from every pipeline rank's file."""
+        merged: dict[str, torch.Tensor] = {}
+        for path in sorted(self.params_dir.glob("pp-*.pt")):
+            merged.update(torch.load(path))
+        return merged
+
+
+def run_trainer(workdir: Path, document: dict, timeout_s: float = 300) -> FinishedRun:
+    """Run the config offline (telemetry stays spooled) on as many ranks as its layout needs."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / "run.json"
+    config_path.write_text(json.dumps(document))
+    world_size = parse_config(document).parallel.world_size
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("LOOM_")}
+    environ.update(
+        LOOM_SPOOL_DIR=str(workdir / "spool"),
+        LOOM_DUMP_PARAMS_DIR=str(workdir / "params"),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH", "")])),
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
+    command += ["-m", "trainer.train", "--config", str(config_path)]
+    result = subprocess.run(
+        command, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s
+    )
+    return FinishedRun(result.returncode, result.stdout, workdir / "spool", workdir / "params")

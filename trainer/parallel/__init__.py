@@ -1,0 +1,1 @@
+"""Parallelism applied to an unmodified model: one mesh, one place, a fixed order."""

@@ -1,0 +1,113 @@
+"""parallelize(): every form of parallelism applied to the model in one place and a fixed order.
+
+TP (+SP, loss parallel) → activation checkpointing → torch.compile per block → FSDP2/HSDP or DDP;
+PP first cuts the model into stages and the rest is applied to each stage."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
+
+from trainer.config import RunConfig
+from trainer.model import Transformer
+
+from .data import apply_ddp, apply_fsdp, shards_parameters
+from .mesh import ParallelMesh
+from .pipeline import build_schedule, split_model
+from .recompute import apply_recompute
+from .tensor import apply_tensor_parallel
+
+
+@dataclass
+class ParallelModel:
+    """The parallelized model: the modules this rank holds and how to run one step's forward and backward."""
+
+    modules: list[nn.Module]
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+    state_modules: list[nn.Module] = field(default_factory=list)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [parameter for module in self.modules for parameter in module.parameters()]
+
+
+def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, device: torch.device) -> ParallelModel:
+    parallel = config.parallel
+    uses_loss_parallel = parallel.tp > 1 and parallel.loss_parallel
+    parts = split_model(model, parallel, mesh.pp_rank) if parallel.pp > 1 else [(0, model)]
+    param_dtype = torch.bfloat16 if precision_of(config, device) == "bf16" else torch.float32
+    wrapped = []
+    for _, part in parts:
+        if parallel.tp > 1:
+            apply_tensor_parallel(part, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel)
+        apply_recompute(part, config.compute.recompute)
+        if config.compute.compile:
+            for block in part.blocks.values():
+                block.compile()
+        if shards_parameters(parallel):
+            apply_fsdp(part, mesh, parallel, param_dtype)
+            wrapped.append(part)
+        elif parallel.data_parallel > 1:
+            wrapped.append(apply_ddp(part, mesh, device))
+        else:
+            wrapped.append(part)
+    state_modules = [part for _, part in parts]
+    autocast = _autocast(config, device)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def loss_context():
+        return loss_parallel() if uses_loss_parallel else contextlib.nullcontext()
+
+    if parallel.pp == 1:
+        (module,) = wrapped
+
+        def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            with loss_context():
+                with autocast():
+                    logits = module(inputs)
+                loss = loss_fn(logits, targets)
+                loss.backward()
+            return loss.detach()
+
+        return ParallelModel(wrapped, forward_backward, state_modules)
+
+    schedule = build_schedule(
+        list(zip([index for index, _ in parts], wrapped, strict=True)), parallel, mesh, device, loss_fn
+    )
+
+    def pipeline_forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        losses: list[torch.Tensor] = []
+        with loss_context(), autocast():
+            schedule.step(
+                inputs if mesh.is_first_stage_rank else None,
+                target=targets if holds_last_stage(parts, parallel) else None,
+                losses=losses,
+            )
+        return torch.stack([loss.detach() for loss in losses]).mean() if losses else None
+
+    return ParallelModel(wrapped, pipeline_forward_backward, state_modules)
+
+
+def holds_last_stage(parts, parallel) -> bool:
+    last = parallel.pp * parallel.stages_per_rank - 1
+    return any(index == last for index, _ in parts)
+
+
+def precision_of(config: RunConfig, device: torch.device) -> str:
+    if config.compute.precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return config.compute.precision
+
+
+def _autocast(config: RunConfig, device: torch.device):
+    """bf16 autocast where FSDP's mixed-precision policy does not already cast parameters."""
+    if precision_of(config, device) == "bf16" and not shards_parameters(config.parallel):
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext

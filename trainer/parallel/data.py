@@ -1,0 +1,39 @@
+"""Data parallelism over the "dp" dims: FSDP2 when parameters are sharded (HSDP with replicas), else DDP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.config import ParallelConfig
+from trainer.model import Transformer
+
+from .mesh import ParallelMesh
+
+
+def apply_fsdp(model: Transformer, mesh: ParallelMesh, parallel: ParallelConfig, param_dtype: torch.dtype) -> None:
+    """fully_shard each block, then the root: parameters live sharded and are gathered per block.
+    With dp_replicate > 1 the mesh is 2-D and FSDP2 does HSDP (shard within, all-reduce across)."""
+    dims = ("dp_replicate", "dp_shard_cp") if parallel.dp_replicate > 1 else ("dp_shard_cp",)
+    # Parameters may compute in bf16, but gradients are reduced and kept in fp32 (master weights).
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh[dims], mp_policy=policy, reshard_after_forward=parallel.reshard_after_forward)
+    fully_shard(model, mesh=mesh[dims], mp_policy=policy, reshard_after_forward=parallel.reshard_after_forward)
+
+
+def apply_ddp(module: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.Module:
+    """Replicas all-reduce gradients over the data-parallel group."""
+    return DistributedDataParallel(
+        module,
+        process_group=mesh["dp"].get_group(),
+        device_ids=[device.index] if device.type == "cuda" else None,
+        # The only buffers are RoPE tables computed identically everywhere; re-syncing them is waste.
+        forward_sync_buffers=False,
+    )
+
+
+def shards_parameters(parallel: ParallelConfig) -> bool:
+    return parallel.dp_shard * parallel.cp > 1

@@ -1,0 +1,20 @@
+"""Activation checkpointing: trade recomputation in backward for activation memory."""
+
+from __future__ import annotations
+
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from trainer.model import Transformer
+
+
+def apply_recompute(model: Transformer, mode: str) -> None:
+    """full: keep only each block's input, recompute the block in backward. selective: recompute
+    only attention (its activations grow with the sequence; the MLP's are cheap to keep).
+    The wrapper strips its own prefix from state-dict keys, so checkpoints keep their names."""
+    if mode == "none":
+        return
+    for name, block in list(model.blocks.items()):
+        if mode == "full":
+            model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)

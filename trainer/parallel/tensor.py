@@ -1,0 +1,73 @@
+"""Tensor parallelism with sequence parallel and loss parallel, as DTensor plans on the model's layers."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from trainer.model import Transformer
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool):
+    """Megatron-style: q/k/v and w1/w3 split by output columns, wo and w2 by input rows, so each block
+    needs one reduction forward and one backward. With sequence parallel, norms and residuals hold a
+    1/tp slice of the sequence and the reductions become reduce-scatter + all-gather pairs."""
+    between_blocks = Shard(1) if sequence_parallel else Replicate()
+    top_level = {}
+    if model.embedding is not None:
+        top_level["embedding"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
+    if model.norm is not None and sequence_parallel:
+        top_level["norm"] = SequenceParallel()
+    if model.output is not None:
+        top_level["output"] = ColwiseParallel(
+            input_layouts=between_blocks,
+            # Loss parallel keeps logits sharded over the vocabulary; the loss reduces across shards.
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    parallelize_module(model, tp_mesh, top_level)
+    for block in model.blocks.values():
+        plan = {
+            "attention": PrepareModuleInput(
+                input_layouts=(between_blocks, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=between_blocks),
+            "mlp": PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),)),
+            "mlp.w1": ColwiseParallel(),
+            "mlp.w3": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel(output_layouts=between_blocks),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["mlp_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
+    if not sequence_parallel:
+        norms = [block.attention_norm for block in model.blocks.values()] + [
+            block.mlp_norm for block in model.blocks.values()
+        ]
+        for norm in norms + ([model.norm] if model.norm is not None else []):
+            replicate_on(norm, tp_mesh)
+
+
+def replicate_on(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Run a module on full (replicated) activations with its parameters as Replicate DTensors, so
+    every parameter of a tensor-parallel model is a DTensor on the same mesh (grad clipping, FSDP)."""
+    distribute_module(
+        module,
+        mesh,
+        input_fn=lambda _module, inputs, device_mesh: tuple(
+            DTensor.from_local(tensor, device_mesh, [Replicate()], run_check=False) for tensor in inputs
+        ),
+        output_fn=lambda _module, output, _mesh: output.to_local(),
+    )
