@@ -2,7 +2,6 @@
 parameters must match a single process's."""
 
 import pytest
-import torch
 
 from .torchrun import run_trainer
 
