@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from trainer import faults
 from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
 from trainer.data import WindowSampler
+from trainer.metrics import memory, mfu, model_flops_per_token, peak_flops
 from trainer.model import Transformer
 from trainer.parallel.apply import ParallelModel, parallelize
 from trainer.parallel.mesh import MESH_DIMS, ParallelMesh
@@ -158,6 +159,9 @@ def train(
     torch.manual_seed(config.data.seed)
     model = Transformer(config.model).to(device)
     params_total = model.num_params()
+    flops_per_token = model_flops_per_token(config.model, params_total - model.embedding.weight.numel())
+    peak = peak_flops(device)
+    global_tokens = config.tokens_per_step
     parallel_model = parallelize(model, mesh, config, device)
     parameters = parallel_model.parameters()
     optimizer = build_optimizer(parameters, config.optimizer, device.type == "cuda")
@@ -218,6 +222,8 @@ def train(
             "step_time_s": step_time,
             "tokens_per_s": tokens_per_rank_step / step_time,
             "tokens": tokens_seen,
+            "mfu": mfu(flops_per_token, global_tokens, step_time, launch.world_size, peak),
+            **memory(device),
         }
         if local_loss is not None:
             metrics["loss"] = local_loss

@@ -75,8 +75,11 @@ def test_every_rank_reports_a_metric_for_every_step(torchrun):
     for rank in (0, 1):
         steps = [event["step"] for event_rank, event in metrics if event_rank == rank]
         assert steps == list(range(1, STEPS + 1))
-    expected = {"loss", "loss_mean", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tokens"}
+    expected = {"loss", "loss_mean", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tokens", "mfu"}
+    expected |= {"memory_rss", "memory_peak_rss"}
     assert all(set(event["payload"]) == expected for _, event in metrics)
+    assert all(event["payload"]["mfu"] is None for _, event in metrics), "no peak FLOP/s is known for a CPU"
+    assert all(0 < event["payload"]["memory_rss"] <= event["payload"]["memory_peak_rss"] for _, event in metrics)
     last = [event["payload"] for _, event in metrics if event["step"] == STEPS]
     assert last[0]["loss_mean"] == pytest.approx(last[1]["loss_mean"])
     assert last[0]["loss_mean"] == pytest.approx((last[0]["loss"] + last[1]["loss"]) / 2, rel=1e-5)

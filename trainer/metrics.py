@@ -1,0 +1,60 @@
+"""Throughput, model FLOPs utilisation and memory, as each rank reports them every step.
+
+MFU convention (PaLM, appendix B): model FLOPs per token = 6·N + 12·L·h·s, where N counts every
+parameter except the input embedding table (a lookup, not a matmul), L is layers, h the hidden
+size and s the sequence length (the attention-score term). Recomputation is not counted: MFU
+measures the model's work, not the hardware's. The achieved FLOP/s of a rank is that per-token
+cost times the step's global tokens over the step time, divided by the world size."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+from trainer.config import ModelConfig
+
+# Dense peak FLOP/s per GPU type for bf16 tensor-core math (vendor datasheets, without sparsity).
+PEAK_BF16_FLOPS = {
+    "A100": 312e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "B200": 2250e12,
+}
+PAGE_BYTES = resource.getpagesize()
+
+
+def model_flops_per_token(model: ModelConfig, non_embedding_params: int) -> float:
+    return 6 * non_embedding_params + 12 * model.layers * model.dim * model.seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The GPU's bf16 peak from its name (longest matching key wins: "H100 PCIe" before "H100");
+    None on CPUs and unknown GPUs, where MFU is not reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    matches = [key for key in PEAK_BF16_FLOPS if key in name]
+    return PEAK_BF16_FLOPS[max(matches, key=len)] if matches else None
+
+
+def mfu(flops_per_token: float, global_tokens: int, step_time_s: float, world_size: int, peak: float | None):
+    if peak is None:
+        return None
+    return flops_per_token * global_tokens / step_time_s / world_size / peak
+
+
+def memory(device: torch.device) -> dict[str, int]:
+    """Bytes: the CUDA caching allocator's view on GPUs; the process's resident set on CPUs."""
+    if device.type == "cuda":
+        return {
+            "memory_allocated": torch.cuda.memory_allocated(device),
+            "memory_peak": torch.cuda.max_memory_allocated(device),
+            "memory_reserved": torch.cuda.memory_reserved(device),
+        }
+    with open("/proc/self/statm") as statm:
+        resident = int(statm.read().split()[1]) * PAGE_BYTES
+    # ru_maxrss is in KiB on Linux and only updated now and then, so it can trail the current size.
+    peak = max(resident, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"memory_rss": resident, "memory_peak_rss": peak}
