@@ -166,6 +166,8 @@ class TelemetryConfig(_Section):
 
     flush_interval_s: float = Field(0.5, gt=0, le=60, description="Longest time an event waits before it is sent.")
     heartbeat_interval_s: float = Field(5.0, gt=0, le=600, description="Seconds between liveness heartbeats.")
+    comm: bool = Field(True, description="Record every collective and send a rank × rank traffic matrix.")
+    comm_window_steps: int = Field(10, ge=1, le=100_000, description="Steps summed into one traffic matrix.")
 
 
 class FaultsConfig(_Section):
