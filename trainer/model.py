@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
+from trainer.kernels import TORCH_KERNELS, KernelSet
 
 INIT_STD = 0.02
 ROPE_BASE = 10_000.0
@@ -27,18 +28,25 @@ def rotary_tables(seq_len: int, head_dim: int, base: float = ROPE_BASE) -> tuple
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i+d/2}) of x [B, H, T, D] by position-dependent angles."""
-    first, second = x.chunk(2, dim=-1)
-    rotated_half = torch.cat([-second, first], dim=-1)
-    return (x * cos + rotated_half * sin).to(x.dtype)
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight, through the fused kernel when one is selected."""
+
+    def __init__(self, dim: int, kernels: KernelSet, eps: float = NORM_EPS):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
     """Causal self-attention; kv_heads < heads shares each key/value head among a group of query heads."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet):
         super().__init__()
+        self.kernels = kernels
         self.heads = cfg.heads
         self.kv_heads = cfg.kv_heads
         self.head_dim = cfg.dim // cfg.heads
@@ -55,7 +63,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = cos[:seq_len], sin[:seq_len]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
@@ -63,25 +71,26 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """w2(silu(w1 x) * w3 x): a gated feed-forward block."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet):
         super().__init__()
+        self.kernels = kernels
         self.w1 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
         self.w2 = nn.Linear(cfg.ffn, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.kernels.swiglu(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=NORM_EPS)
-        self.attention = Attention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.dim, eps=NORM_EPS)
-        self.mlp = SwiGLU(cfg)
+        self.attention_norm = RMSNorm(cfg.dim, kernels)
+        self.attention = Attention(cfg, kernels)
+        self.mlp_norm = RMSNorm(cfg.dim, kernels)
+        self.mlp = SwiGLU(cfg, kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -91,14 +100,15 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Token embedding, `layers` blocks, final RMSNorm and an untied projection to the vocabulary."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet = TORCH_KERNELS):
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
         self.embedding: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.dim)
         # A dict keyed by layer number: a pipeline stage deletes the layers it does not own and the
         # rest keep their names (blocks.7.…), so checkpoints and comparisons line up across layouts.
-        self.blocks = nn.ModuleDict({str(index): Block(cfg) for index in range(cfg.layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=NORM_EPS)
+        self.blocks = nn.ModuleDict({str(index): Block(cfg, kernels) for index in range(cfg.layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, kernels)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         cos, sin = rotary_tables(cfg.seq_len, cfg.dim // cfg.heads)
         # Non-persistent: derived from the config, so checkpoints need not carry them.
@@ -116,11 +126,18 @@ class Transformer(nn.Module):
             is_residual_projection = name.endswith(("attention.wo.weight", "mlp.w2.weight"))
             nn.init.normal_(parameter, mean=0.0, std=residual_std if is_residual_projection else INIT_STD)
 
+    def use_kernels(self, kernels: KernelSet) -> None:
+        """Switch every fused op of the model to another implementation (same results)."""
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
+
     def num_params(self) -> int:
         return sum(parameter.numel() for parameter in self.parameters())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] int64 with T <= seq_len -> logits [B, T, vocab].
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] int64 with T <= seq_len -> logits [B, T, vocab], or with targets [B, T] the
+        mean cross-entropy, computed in chunks so the full fp32 logits never exist.
 
         A pipeline stage without the embedding takes hidden states [B, T, dim] instead, and one
         without the output projection returns them."""
@@ -131,4 +148,8 @@ class Transformer(nn.Module):
             x = block(x, self.rope_cos, self.rope_sin)
         if self.norm is not None:
             x = self.norm(x)
-        return self.output(x) if self.output is not None else x
+        if self.output is None:
+            return x
+        if targets is not None:
+            return self.kernels.cross_entropy(x, self.output.weight, targets)
+        return self.output(x)

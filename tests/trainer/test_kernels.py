@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trainer.kernels import TORCH_KERNELS, kernels_for, reference
-from trainer.model import apply_rotary, rotary_tables
+from trainer.model import rotary_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
@@ -92,10 +92,14 @@ def test_reference_swiglu_is_silu_gate_times_up():
     torch.testing.assert_close(reference.swiglu(gate, up), F.silu(gate) * up)
 
 
-def test_reference_rotary_is_the_models():
+def test_reference_rotary_rotates_each_pair_by_its_position():
     cos, sin = rotary_tables(seq_len=12, head_dim=16)
     x = randn(2, 3, 12, 16, device="cpu")
-    torch.testing.assert_close(reference.rotary(x, cos, sin), apply_rotary(x, cos, sin))
+    rotated = reference.rotary(x, cos, sin)
+    torch.testing.assert_close(rotated[:, :, 0], x[:, :, 0])  # position 0: angle 0
+    pair_norms = lambda t: (t[..., :8] ** 2 + t[..., 8:] ** 2).sqrt()  # noqa: E731
+    torch.testing.assert_close(pair_norms(rotated), pair_norms(x))
+    assert not torch.allclose(rotated[:, :, 5], x[:, :, 5])
 
 
 def test_reference_cross_entropy_is_torchs_on_full_logits():

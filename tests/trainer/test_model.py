@@ -68,3 +68,18 @@ def test_rotary_tables_are_not_saved_and_parameters_are_counted():
 def test_sequences_longer_than_the_model_are_refused():
     with pytest.raises(ValueError, match="model.seq_len=16"):
         Transformer(TINY)(tokens(1, 17))
+
+
+def test_the_chunked_loss_equals_cross_entropy_of_the_logits_and_their_gradients():
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    inputs, targets = tokens(3, 16), tokens(3, 16, seed=1)
+    fused = model(inputs, targets)
+    fused.backward()
+    fused_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    plain = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    plain.backward()
+    torch.testing.assert_close(fused, plain)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(fused_grads[name], parameter.grad, msg=name)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import RunConfig
+from trainer.kernels import TORCH_KERNELS, kernels_for
 from trainer.model import Transformer
 
 from .data import apply_ddp, apply_fsdp, shards_parameters
@@ -39,6 +40,13 @@ class ParallelModel:
 def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, device: torch.device) -> ParallelModel:
     parallel = config.parallel
     uses_loss_parallel = parallel.tp > 1 and parallel.loss_parallel
+    # Triton kernels take plain tensors: under tensor or context parallelism activations are DTensors
+    # or need collectives between ops, so those layouts keep torch's ops (which DTensor understands).
+    kernels = kernels_for(config.compute.kernels, device) if parallel.tp == parallel.cp == 1 else TORCH_KERNELS
+    model.use_kernels(kernels)
+    # Without tensor or pipeline parallelism the model computes its own loss from hidden states,
+    # chunk by chunk, never holding the full logits.
+    fused_loss = parallel.tp == parallel.pp == 1
     parts = split_model(model, parallel, mesh.pp_rank) if parallel.pp > 1 else [(0, model)]
     param_dtype = torch.bfloat16 if precision_of(config, device) == "bf16" else torch.float32
     wrapped = []
@@ -71,8 +79,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
         def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             with loss_context():
                 with autocast():
-                    logits = module(inputs)
-                loss = loss_fn(logits, targets)
+                    output = module(inputs, targets) if fused_loss else module(inputs)
+                loss = output if fused_loss else loss_fn(output, targets)
                 loss.backward()
             return loss.detach()
 
