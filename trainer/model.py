@@ -41,19 +41,24 @@ class RMSNorm(nn.Module):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, H, T, D], k and v [B, H_kv, T, D] with H a multiple of H_kv (grouped-query attention)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     """Causal self-attention; kv_heads < heads shares each key/value head among a group of query heads."""
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet):
         super().__init__()
         self.kernels = kernels
-        self.heads = cfg.heads
-        self.kv_heads = cfg.kv_heads
         self.head_dim = cfg.dim // cfg.heads
         self.wq = nn.Linear(cfg.dim, cfg.heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
+        # How queries meet keys and values; context parallelism swaps in one that gathers them across ranks.
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, dim]; cos/sin cover at least T positions. Head counts are read from the
@@ -64,7 +69,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = cos[:seq_len], sin[:seq_len]
         q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        out = self.attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 

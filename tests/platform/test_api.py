@@ -145,3 +145,18 @@ def test_openapi_schema_is_for_logged_in_users_and_documents_the_routes(client, 
     for route in (*routes, "/api/ingest"):
         assert route in schema["paths"], route
     assert "requestBody" in schema["paths"]["/api/ingest"]["post"]
+
+
+def test_an_invalid_parallel_layout_is_refused_before_launch(client, platform_user, token_for):
+    config = {**TINY_CONFIG, "parallel": {"tp": 3}}
+    response = api(client, "post", "/api/runs", token_for(platform_user[0]), {"name": "bad layout", "config": config})
+    assert response.status_code == 400
+    assert response.json()["errors"] == {"config.parallel.tp": "must divide model.heads=4; valid choices are [1, 2]"}
+    assert not Run.objects.exists()
+
+
+def test_a_three_dimensional_layout_is_accepted(client, platform_user, token_for):
+    config = {**TINY_CONFIG, "parallel": {"pp": 2, "dp_shard": 2, "tp": 2, "microbatches": 2}}
+    response = api(client, "post", "/api/runs", token_for(platform_user[0]), {"name": "3d", "config": config})
+    assert response.status_code == 201
+    assert response.json()["config"]["parallel"]["pp_schedule"] == "1F1B"

@@ -60,3 +60,38 @@ def test_an_injected_fault_must_name_an_existing_rank():
     assert errors_of({"parallel": {"dp_replicate": 2}, "faults": {"crash_at_step": 3, "crash_rank": 2}}) == {
         "faults.crash_rank": "must be below the world size 2"
     }
+
+
+@pytest.mark.parametrize(
+    ("parallel", "model", "field", "message"),
+    [
+        ({"tp": 3}, {}, "parallel.tp", "must divide model.heads=4; valid choices are [1, 2]"),
+        ({"tp": 4}, {"kv_heads": 2}, "parallel.tp", "must divide model.kv_heads=2; valid choices are [1, 2]"),
+        ({"cp": 2}, {"seq_len": 130}, "model.seq_len", "must be divisible by 4 (2 × cp = 4 load-balanced chunks)"),
+        ({"tp": 2}, {"seq_len": 129}, "model.seq_len", "must be divisible by 2 (tp = 2 sequence-parallel shards)"),
+        ({"pp": 3, "microbatches": 4}, {"layers": 4}, "parallel.pp", "valid pp here: [2, 4]"),
+        ({"pp": 2, "microbatches": 1}, {"layers": 4}, "parallel.microbatches", "must be at least pp=2"),
+        ({"pp": 2, "microbatches": 3}, {"layers": 4}, "parallel.microbatches", "must divide data.micro_batch=8"),
+        (
+            {"pp": 2, "microbatches": 2, "pp_schedule": "DualPipeV"},
+            {"layers": 4},
+            "parallel.stages_per_rank",
+            "must be 2 for DualPipeV",
+        ),
+        (
+            {"pp": 2, "microbatches": 2, "pp_schedule": "Interleaved1F1B"},
+            {"layers": 4},
+            "parallel.stages_per_rank",
+            "must be at least 2 for Interleaved1F1B",
+        ),
+        ({"stages_per_rank": 2}, {}, "parallel.stages_per_rank", "must be 1 without pipeline parallelism"),
+    ],
+)
+def test_layout_rules_name_the_field_and_the_valid_choices(parallel, model, field, message):
+    errors = errors_of({"parallel": parallel, "model": model})
+    assert message in errors[field], errors
+
+
+def test_a_valid_three_dimensional_layout_counts_its_ranks():
+    config = parse_config({"parallel": {"pp": 2, "dp_shard": 2, "tp": 2, "microbatches": 2}})
+    assert config.parallel.world_size == 8 and config.parallel.data_parallel == 2

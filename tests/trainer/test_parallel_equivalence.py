@@ -35,12 +35,12 @@ LAYOUTS = {
     "pp2_1f1b": layout(pp=2, pp_schedule="1F1B", microbatches=4),
     "pp2_interleaved1f1b": layout(pp=2, pp_schedule="Interleaved1F1B", stages_per_rank=2, microbatches=4),
     "pp2_loopedbfs": layout(pp=2, pp_schedule="LoopedBFS", stages_per_rank=2, microbatches=4),
-    "pp2_interleavedzerobubble": layout(
-        pp=2, pp_schedule="InterleavedZeroBubble", stages_per_rank=2, microbatches=4
-    ),
+    "pp2_interleavedzerobubble": layout(pp=2, pp_schedule="InterleavedZeroBubble", stages_per_rank=2, microbatches=4),
     "pp2_zbvzerobubble": layout(pp=2, pp_schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=4),
     "pp2_dualpipev": layout(pp=2, pp_schedule="DualPipeV", stages_per_rank=2, microbatches=4),
     "pp2xdp2xtp2": layout(2, pp=2, dp_shard=2, tp=2, microbatches=2),
+    "cp2": layout(cp=2),
+    "cp2xdp2": layout(2, cp=2, dp_replicate=2),
 }
 
 

@@ -18,6 +18,7 @@ from trainer.config import RunConfig
 from trainer.kernels import TORCH_KERNELS, kernels_for
 from trainer.model import Transformer
 
+from .context import apply_context_parallel
 from .data import apply_ddp, apply_fsdp, shards_parameters
 from .mesh import ParallelMesh
 from .pipeline import build_schedule, split_model
@@ -50,9 +51,12 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
     parts = split_model(model, parallel, mesh.pp_rank) if parallel.pp > 1 else [(0, model)]
     param_dtype = torch.bfloat16 if precision_of(config, device) == "bf16" else torch.float32
     wrapped = []
+    positions = None
     for _, part in parts:
         if parallel.tp > 1:
             apply_tensor_parallel(part, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel)
+        if parallel.cp > 1:
+            positions = apply_context_parallel(part, mesh["cp"]).to(device)
         apply_recompute(part, config.compute.recompute)
         if config.compute.compile:
             for block in part.blocks.values():
@@ -84,23 +88,29 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
                 loss.backward()
             return loss.detach()
 
+    else:
+        schedule = build_schedule(
+            list(zip([index for index, _ in parts], wrapped, strict=True)), parallel, mesh, device, loss_fn
+        )
+
+        def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+            losses: list[torch.Tensor] = []
+            with loss_context(), autocast():
+                schedule.step(
+                    inputs if mesh.is_first_stage_rank else None,
+                    target=targets if holds_last_stage(parts, parallel) else None,
+                    losses=losses,
+                )
+            return torch.stack([loss.detach() for loss in losses]).mean() if losses else None
+
+    if positions is None:
         return ParallelModel(wrapped, forward_backward, state_modules)
 
-    schedule = build_schedule(
-        list(zip([index for index, _ in parts], wrapped, strict=True)), parallel, mesh, device, loss_fn
-    )
+    def context_parallel_forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        # Each cp rank trains on its load-balanced share of every sequence.
+        return forward_backward(inputs[:, positions], targets[:, positions])
 
-    def pipeline_forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        losses: list[torch.Tensor] = []
-        with loss_context(), autocast():
-            schedule.step(
-                inputs if mesh.is_first_stage_rank else None,
-                target=targets if holds_last_stage(parts, parallel) else None,
-                losses=losses,
-            )
-        return torch.stack([loss.detach() for loss in losses]).mean() if losses else None
-
-    return ParallelModel(wrapped, pipeline_forward_backward, state_modules)
+    return ParallelModel(wrapped, context_parallel_forward_backward, state_modules)
 
 
 def holds_last_stage(parts, parallel) -> bool:

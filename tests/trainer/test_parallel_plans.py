@@ -1,0 +1,35 @@
+"""The pure parts of the parallel plans: which stages and positions each rank holds."""
+
+import torch
+
+from trainer.config import ParallelConfig
+from trainer.parallel.context import load_balanced_positions
+from trainer.parallel.pipeline import layers_of_stage, stage_indices
+
+
+def test_load_balanced_chunks_give_every_cp_rank_an_early_and_a_late_chunk():
+    held = [load_balanced_positions(16, 4, rank) for rank in range(4)]
+    assert held[0].tolist() == [0, 1, 14, 15]
+    assert held[3].tolist() == [6, 7, 8, 9]
+    assert sorted(torch.cat(held).tolist()) == list(range(16))
+    # Causal work of a query is its position + 1: every rank gets the same total.
+    assert len({int((positions + 1).sum()) for positions in held}) == 1
+
+
+def test_looped_schedules_place_stages_round_robin():
+    parallel = ParallelConfig(pp=2, pp_schedule="Interleaved1F1B", stages_per_rank=3, microbatches=2)
+    assert stage_indices(parallel, 0) == [0, 2, 4]
+    assert stage_indices(parallel, 1) == [1, 3, 5]
+
+
+def test_v_schedules_put_the_first_and_last_stage_on_one_rank():
+    parallel = ParallelConfig(pp=4, pp_schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=4)
+    assert [stage_indices(parallel, rank) for rank in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+def test_one_stage_schedules_hold_their_own_stage():
+    assert stage_indices(ParallelConfig(pp=4, pp_schedule="1F1B", microbatches=4), 2) == [2]
+
+
+def test_layers_are_split_evenly_and_in_order():
+    assert [list(layers_of_stage(8, 4, stage)) for stage in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
