@@ -151,7 +151,10 @@ def test_an_invalid_parallel_layout_is_refused_before_launch(client, platform_us
     config = {**TINY_CONFIG, "parallel": {"tp": 3}}
     response = api(client, "post", "/api/runs", token_for(platform_user[0]), {"name": "bad layout", "config": config})
     assert response.status_code == 400
-    assert response.json()["errors"] == {"config.parallel.tp": "must divide model.heads=4; valid choices are [1, 2]"}
+    assert response.json()["errors"] == {
+        "config.parallel.tp": "must divide model.heads=4; valid choices are [1, 2]",
+        "config.model.seq_len": "must be divisible by 3 (tp = 3 sequence-parallel shards)",
+    }
     assert not Run.objects.exists()
 
 
