@@ -2,6 +2,7 @@
 parameters must match a single process's."""
 
 import pytest
+import torch
 
 from .torchrun import run_trainer
 
@@ -11,13 +12,13 @@ STEPS = 4
 GLOBAL_BATCH = 8
 
 
-def layout(micro_batch_divisor: int = 1, **parallel) -> dict:
+def layout(micro_batch_divisor: int = 1, recompute: str = "none", **parallel) -> dict:
     """A tiny fp32 run whose global batch is GLOBAL_BATCH whatever the data-parallel degree."""
     return {
         "steps": STEPS,
         "model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 32},
         "parallel": parallel,
-        "compute": {"precision": "fp32"},
+        "compute": {"precision": "fp32", "recompute": recompute},
         "optimizer": {"lr": 3e-3, "warmup_steps": 1},
         "data": {"micro_batch": GLOBAL_BATCH // micro_batch_divisor, "corpus_bytes": 200_000},
         "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60},
@@ -39,6 +40,8 @@ LAYOUTS = {
     "pp2_zbvzerobubble": layout(pp=2, pp_schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=4),
     "pp2_dualpipev": layout(pp=2, pp_schedule="DualPipeV", stages_per_rank=2, microbatches=4),
     "pp2xdp2xtp2": layout(2, pp=2, dp_shard=2, tp=2, microbatches=2),
+    "fsdp2_full_recompute": layout(2, dp_shard=2, recompute="full"),
+    "tp2_selective_recompute": layout(tp=2, recompute="selective"),
     "cp2": layout(cp=2),
     "cp2xdp2": layout(2, cp=2, dp_replicate=2),
 }
@@ -68,3 +71,14 @@ def test_layout_matches_a_single_process(name, single_process, tmp_path):
         difference = parameters[name_] - tensor
         assert difference.abs().max() <= 1e-4, name_
         assert difference.norm() <= 1e-4 * tensor.norm(), name_
+
+
+def test_bf16_mixed_precision_under_fsdp_tracks_the_fp32_losses(single_process, tmp_path):
+    document = layout(2, dp_shard=2)
+    document["compute"]["precision"] = "bf16"
+    run = run_trainer(tmp_path, document)
+    assert run.returncode == 0, run.output[-4000:]
+    for want, got in zip(single_process.loss_means(), run.loss_means(), strict=True):
+        assert abs(got - want) <= 2e-2 * abs(want)
+    # Master weights stay fp32 whatever the compute precision.
+    assert {tensor.dtype for tensor in run.parameters().values()} == {torch.float32}

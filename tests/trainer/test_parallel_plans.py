@@ -33,3 +33,23 @@ def test_one_stage_schedules_hold_their_own_stage():
 
 def test_layers_are_split_evenly_and_in_order():
     assert [list(layers_of_stage(8, 4, stage)) for stage in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_recompute_wraps_blocks_or_attention_and_keeps_parameter_names():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from trainer.config import ModelConfig
+    from trainer.model import Transformer
+    from trainer.parallel.recompute import apply_recompute
+
+    config = ModelConfig(layers=2, dim=32, heads=4, kv_heads=2, ffn=64, seq_len=16)
+    names = set(Transformer(config).state_dict())
+    full, selective = Transformer(config), Transformer(config)
+    apply_recompute(full, "full")
+    apply_recompute(selective, "selective")
+    assert all(isinstance(block, CheckpointWrapper) for block in full.blocks.values())
+    assert all(isinstance(block.attention, CheckpointWrapper) for block in selective.blocks.values())
+    assert set(full.state_dict()) == names == set(selective.state_dict())
+    tokens = torch.randint(0, 256, (2, 16))
+    full(tokens, tokens).backward()
+    assert all(parameter.grad is not None for parameter in full.parameters())
