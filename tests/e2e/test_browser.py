@@ -176,3 +176,33 @@ def test_cancel_stops_a_running_run_and_its_whole_process_group(page):
     with pytest.raises(ProcessLookupError):
         os.killpg(running["pid"], 0)
     assert_page_holds_every_event_once(page, run_id)
+
+
+def test_a_three_dimensional_layout_launches_from_the_form_and_reports_every_rank(page):
+    """pp2 × dp2 × tp2 on 8 ranks: loss comes from the last pipeline stage (ranks 4–7, pp outermost),
+    throughput and the other metrics from every rank."""
+    steps = 4
+    page.goto("/runs/new/")
+    page.fill("#id_name", "pp2 dp2 tp2")
+    layout = {
+        **TINY_RUN,
+        "steps": str(steps),
+        "parallel.dp_replicate": "1",
+        "parallel.dp_shard": "2",
+        "parallel.tp": "2",
+        "parallel.pp": "2",
+        "parallel.microbatches": "2",
+    }
+    for field, value in layout.items():
+        page.fill(f'[name="{field}"]', value)
+    page.select_option('[name="parallel.pp_schedule"]', "1F1B")
+    page.click("button:has-text('Create run')")
+    page.wait_for_url(re.compile(r"/runs/\d+/$"))
+
+    expect(page.locator("#run-state")).to_have_text("succeeded", timeout=TRAINING_TIMEOUT_MS)
+    last_stage = [str(rank) for rank in range(4, 8)]
+    assert loss_steps(page) == {rank: list(range(1, steps + 1)) for rank in last_stage}
+    tokens_per_s = page.evaluate("window.loomRun.points.tokens_per_s")
+    assert sorted(tokens_per_s, key=int) == [str(rank) for rank in range(8)]
+    assert all(len(points) == steps for points in tokens_per_s.values())
+    expect(page.locator("#log-rank option")).to_have_count(8)
