@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+import torch
 import uvicorn
 from celery.contrib.testing.worker import start_worker
 from django.conf import settings
@@ -16,6 +17,12 @@ from loom.accounts.services import create_api_token, ensure_user
 from loom.celery import app as celery_app
 from loom.runs import states
 from loom.runs.models import Attempt
+
+# Triton decides when it is first imported whether kernels are compiled or interpreted, and torch
+# imports it early in some code paths. Without a GPU the kernel tests interpret kernels on CPU
+# tensors, so the switch is set for the whole session before any of that happens.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # A queue of this session's own: a demo worker or another test session on the same broker never
 # takes (or hands us) a launch. Set before the Celery app first reads its configuration.
