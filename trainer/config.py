@@ -166,7 +166,10 @@ class TelemetryConfig(_Section):
 
     flush_interval_s: float = Field(0.5, gt=0, le=60, description="Longest time an event waits before it is sent.")
     heartbeat_interval_s: float = Field(5.0, gt=0, le=600, description="Seconds between liveness heartbeats.")
-    comm: bool = Field(True, description="Record every collective and send a rank × rank traffic matrix.")
+    comm: bool = Field(
+        False,
+        description="Record every collective and send a rank × rank traffic matrix (costs step time; see README).",
+    )
     comm_window_steps: int = Field(10, ge=1, le=100_000, description="Steps summed into one traffic matrix.")
 
 
@@ -269,6 +272,8 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
         reasons = " × ".join(reason for _, reason in sequence_splits)
         refuse("model.seq_len", f"must be divisible by {split} ({reasons})")
     _pipeline_errors(config, refuse)
+    if config.compute.compile and parallel.tp > 1:
+        refuse("compute.compile", "cannot be combined with parallel.tp > 1 yet (DTensor backward fails); use false")
     if config.faults.crash_rank >= parallel.world_size:
         refuse("faults.crash_rank", f"must be below the world size {parallel.world_size}")
     return errors

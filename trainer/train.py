@@ -26,11 +26,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 from trainer import faults
+from trainer.comm import comm_recorder
 from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
 from trainer.data import WindowSampler
 from trainer.metrics import memory, mfu, model_flops_per_token, peak_flops
 from trainer.model import Transformer
 from trainer.parallel.apply import ParallelModel, parallelize
+from trainer.parallel.grads import clip_gradients
 from trainer.parallel.mesh import MESH_DIMS, ParallelMesh
 from trainer.parallel.state import dump_full_parameters
 from trainer.telemetry import TelemetryClient, TelemetryLogHandler
@@ -167,6 +169,7 @@ def train(
     optimizer = build_optimizer(parameters, config.optimizer, device.type == "cuda")
     sampler = WindowSampler.from_config(config)
     data_parallel = config.parallel.data_parallel
+    comm = comm_recorder(config.telemetry, mesh, telemetry)
 
     telemetry.emit(
         "state",
@@ -195,24 +198,25 @@ def train(
     for step in range(1, config.steps + 1):
         faults.before_step(config.faults, step, launch.rank)
         started = time.perf_counter()
-        lr = learning_rate(step, config.steps, config.optimizer)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = sampler.batch(step, mesh.dp_rank, data_parallel)
-        inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss = parallel_model.forward_backward(inputs, targets)
-        norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh)
-        optimizer.step()
+        with comm.recording():
+            lr = learning_rate(step, config.steps, config.optimizer)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = sampler.batch(step, mesh.dp_rank, data_parallel)
+            inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss = parallel_model.forward_backward(inputs, targets)
+            norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh)
+            optimizer.step()
 
-        # One collective per step carries the loss sum, how many ranks hold a loss (only the last
-        # pipeline stage does) and the stop vote, so every rank leaves the loop after the same step.
-        local_loss = to_local_value(loss) if loss is not None else None
-        shared = torch.tensor(
-            [local_loss or 0.0, float(local_loss is not None), float(stop.requested)], dtype=torch.float64
-        )
-        dist.all_reduce(shared)
-        loss_sum, loss_count, stop_votes = shared.tolist()
+            # One collective per step carries the loss sum, how many ranks hold a loss (only the last
+            # pipeline stage does) and the stop vote, so every rank leaves the loop after the same step.
+            local_loss = to_local_value(loss) if loss is not None else None
+            shared = torch.tensor(
+                [local_loss or 0.0, float(local_loss is not None), float(stop.requested)], dtype=torch.float64
+            )
+            dist.all_reduce(shared)
+            loss_sum, loss_count, stop_votes = shared.tolist()
         step_time = time.perf_counter() - started
         tokens_seen += tokens_per_rank_step
         metrics = {
@@ -229,6 +233,7 @@ def train(
             metrics["loss"] = local_loss
         losses.append(metrics["loss_mean"])
         telemetry.emit("metric", metrics, step=step)
+        comm.step_finished(step)
         print(
             f"rank {launch.rank} step {step}/{config.steps} loss {metrics.get('loss', float('nan')):.4f} "
             f"mean {metrics['loss_mean']:.4f} grad_norm {norm:.3f} lr {lr:.2e} "
@@ -236,30 +241,14 @@ def train(
             flush=True,
         )
         if stop_votes:
-            return Outcome(last_step=step, stopped=True, parallel_model=parallel_model, mesh=mesh)
-    return Outcome(last_step=config.steps, stopped=False, parallel_model=parallel_model, mesh=mesh)
+            break
+    # A run that stops early, or whose steps do not fill the last window, still reports it.
+    comm.flush()
+    return Outcome(last_step=step, stopped=bool(stop_votes), parallel_model=parallel_model, mesh=mesh)
 
 
 def to_local_value(value: torch.Tensor) -> float:
     return (value.full_tensor() if isinstance(value, DTensor) else value).item()
-
-
-def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float, mesh: ParallelMesh) -> float:
-    """The global gradient norm over every shard and stage, and grads scaled to max_norm if above it."""
-    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
-    squares = torch.zeros((), dtype=torch.float64)
-    for grad in grads:
-        local_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        squares += to_local_value(local_norm) ** 2
-    if mesh.parallel.pp > 1:
-        # Each pipeline rank holds other layers: their squared norms add up.
-        dist.all_reduce(squares, group=mesh["pp"].get_group())
-    total = squares.sqrt().item()
-    if max_norm > 0 and total > max_norm:
-        scale = max_norm / (total + 1e-6)
-        for grad in grads:
-            grad.mul_(scale)
-    return total
 
 
 def run(config: RunConfig, launch: Launch, telemetry: TelemetryClient, stop: StopSignal) -> Outcome:

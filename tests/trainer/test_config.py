@@ -95,3 +95,10 @@ def test_layout_rules_name_the_field_and_the_valid_choices(parallel, model, fiel
 def test_a_valid_three_dimensional_layout_counts_its_ranks():
     config = parse_config({"parallel": {"pp": 2, "dp_shard": 2, "tp": 2, "microbatches": 2}})
     assert config.parallel.world_size == 8 and config.parallel.data_parallel == 2
+
+
+def test_compile_is_refused_with_tensor_parallelism_until_it_works():
+    errors = errors_of({"parallel": {"tp": 2}, "compute": {"compile": True}})
+    assert errors == {
+        "compute.compile": "cannot be combined with parallel.tp > 1 yet (DTensor backward fails); use false"
+    }

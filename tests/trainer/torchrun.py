@@ -24,6 +24,15 @@ class FinishedRun:
     spool_dir: Path
     params_dir: Path
 
+    def events(self, kind: str) -> list[tuple[int, dict]]:
+        """(rank, event) for every spooled event of this kind, by rank then seq."""
+        return [
+            (batch["rank"], event)
+            for batch in read_spool(self.spool_dir)
+            for event in batch["events"]
+            if event["kind"] == kind
+        ]
+
     def loss_means(self) -> list[float]:
         """The all-rank loss mean of every step, as rank 0 reported it."""
         metrics = [

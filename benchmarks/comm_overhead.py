@@ -1,0 +1,76 @@
+"""What the collective recorder costs: the 2-rank DDP demo run (layers 4, dim 128, seq_len 128, micro_batch 8)
+launched with telemetry.comm on and off, alternately, under torchrun on CPU. Prints each launch's median step time
+and the on/off ratio of the medians over all launches (below 1.05: within the 5 % budget).
+
+    .venv/bin/python benchmarks/comm_overhead.py                    # 3 launches each way, 40 steps each
+    .venv/bin/python benchmarks/comm_overhead.py --launches 5 --steps 60
+
+The first WARMUP_STEPS steps of each launch (allocator warm-up, DDP's bucket rebuild) are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from trainer.telemetry import read_spool
+
+ROOT = Path(__file__).resolve().parents[1]
+WARMUP_STEPS = 5
+
+
+def demo_run(steps: int, comm: bool) -> dict:
+    return {
+        "steps": steps,
+        "model": {"layers": 4, "dim": 128, "seq_len": 128},
+        "parallel": {"dp_replicate": 2},
+        "compute": {"precision": "fp32"},
+        "data": {"micro_batch": 8, "corpus_bytes": 300_000},
+        "telemetry": {"comm": comm, "comm_window_steps": 10},
+    }
+
+
+def step_times(document: dict) -> list[float]:
+    """Each step's time on rank 0, from its metric events."""
+    with tempfile.TemporaryDirectory() as workdir:
+        config = Path(workdir) / "run.json"
+        config.write_text(json.dumps(document))
+        environ = {key: value for key, value in os.environ.items() if not key.startswith("LOOM_")}
+        environ.update(LOOM_SPOOL_DIR=str(Path(workdir) / "spool"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        command += ["-m", "trainer.train", "--config", str(config)]
+        subprocess.run(command, cwd=ROOT, env=environ, check=True, capture_output=True)
+        metrics = [
+            event
+            for batch in read_spool(Path(workdir) / "spool")
+            if batch["rank"] == 0
+            for event in batch["events"]
+            if event["kind"] == "metric"
+        ]
+    return [event["payload"]["step_time_s"] for event in sorted(metrics, key=lambda event: event["step"])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--launches", type=int, default=3, help="launches with the recorder on, and as many off")
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    measured: dict[bool, list[float]] = {True: [], False: []}
+    for launch in range(args.launches):
+        for comm in (False, True):
+            times = step_times(demo_run(args.steps, comm))[WARMUP_STEPS:]
+            measured[comm] += times
+            state = "on " if comm else "off"
+            print(f"launch {launch + 1} comm {state}: median step {statistics.median(times) * 1e3:.1f} ms")
+    on, off = statistics.median(measured[True]), statistics.median(measured[False])
+    print(f"median step: comm on {on * 1e3:.1f} ms, off {off * 1e3:.1f} ms, on/off {on / off:.3f}")
+
+
+if __name__ == "__main__":
+    main()
