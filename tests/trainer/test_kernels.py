@@ -190,11 +190,17 @@ def compile_every_triton_kernel_for_sm90():
         compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
 
 
-def test_triton_kernels_compile_for_a_gpu():
-    code = "from tests.trainer.test_kernels import compile_every_triton_kernel_for_sm90 as c; c()"
+def python_without_interpreter(code: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter where Triton is not in interpreter mode."""
     environ = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+def test_triton_kernels_compile_for_a_gpu():
+    result = python_without_interpreter(
+        "from tests.trainer.test_kernels import compile_every_triton_kernel_for_sm90 as c; c()", timeout_s=300
     )
     assert result.returncode == 0, result.stderr
 
@@ -332,9 +338,6 @@ def test_an_unknown_backend_lists_the_known_ones():
 
 def test_the_torch_kernels_do_not_import_triton():
     code = "import sys, torch, trainer.kernels as k; k.kernels_for('auto', 'cpu'); print('triton' in sys.modules)"
-    environ = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60
-    )
+    result = python_without_interpreter(code, timeout_s=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
