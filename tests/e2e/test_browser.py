@@ -7,23 +7,14 @@ import re
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
+from .tiny_run import TINY_RUN_INPUTS
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"]
 SCREENSHOT = "/tmp/loom-run.png"
 TRAINING_TIMEOUT_MS = 240_000
-TINY_RUN = {
-    "model.layers": "2",
-    "model.dim": "64",
-    "model.heads": "4",
-    "model.kv_heads": "2",
-    "model.ffn": "172",
-    "model.seq_len": "64",
-    "parallel.dp_replicate": "2",
-    "data.micro_batch": "4",
-    "data.corpus_bytes": "300000",
-}
 RANKS = ["0", "1"]
 CLOSE_FIRST_SOCKET_AFTER_MESSAGES = 4
 
@@ -62,7 +53,7 @@ def page(live_platform, platform_user, browser):
 def create_run_through_the_form(page, name: str, steps: int) -> int:
     page.goto("/runs/new/")
     page.fill("#id_name", name)
-    for field, value in {**TINY_RUN, "steps": str(steps)}.items():
+    for field, value in {**TINY_RUN_INPUTS, "steps": str(steps)}.items():
         page.fill(f'[name="{field}"]', value)
     page.click("button:has-text('Create run')")
     page.wait_for_url(re.compile(r"/runs/\d+/$"))
@@ -185,7 +176,7 @@ def test_a_three_dimensional_layout_launches_from_the_form_and_reports_every_ran
     page.goto("/runs/new/")
     page.fill("#id_name", "pp2 dp2 tp2")
     layout = {
-        **TINY_RUN,
+        **TINY_RUN_INPUTS,
         "steps": str(steps),
         "parallel.dp_replicate": "1",
         "parallel.dp_shard": "2",

@@ -10,21 +10,15 @@ from loom.runs.forms import NewRunForm, input_for
 from loom.runs.models import Run
 from loom.runs.services import cancel_run, create_run
 
+from .tiny_run import TINY_RUN_INPUTS
+
 TINY_FORM = {
     **{path: field.initial for path, field in NewRunForm().fields.items()},
     "name": "tiny",
     "steps": "30",
-    "model.layers": "2",
-    "model.dim": "64",
-    "model.heads": "4",
-    "model.kv_heads": "2",
-    "model.ffn": "172",
-    "model.seq_len": "64",
-    "parallel.dp_replicate": "2",
+    **TINY_RUN_INPUTS,
     "optimizer.lr": "0.003",
     "optimizer.warmup_steps": "2",
-    "data.micro_batch": "4",
-    "data.corpus_bytes": "300000",
 }
 
 
