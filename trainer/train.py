@@ -194,7 +194,6 @@ def train(
 
     tokens_per_rank_step = config.data.micro_batch * config.model.seq_len
     tokens_seen = 0
-    losses: list[float] = []
     for step in range(1, config.steps + 1):
         faults.before_step(config.faults, step, launch.rank)
         started = time.perf_counter()
@@ -231,7 +230,6 @@ def train(
         }
         if local_loss is not None:
             metrics["loss"] = local_loss
-        losses.append(metrics["loss_mean"])
         telemetry.emit("metric", metrics, step=step)
         comm.step_finished(step)
         print(

@@ -89,6 +89,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             return loss.detach()
 
     else:
+        feeds_targets = holds_last_stage(parts, parallel)
         schedule = build_schedule(
             list(zip([index for index, _ in parts], wrapped, strict=True)), parallel, mesh, device, loss_fn
         )
@@ -98,7 +99,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             with loss_context(), autocast():
                 schedule.step(
                     inputs if mesh.is_first_stage_rank else None,
-                    target=targets if holds_last_stage(parts, parallel) else None,
+                    target=targets if feeds_targets else None,
                     losses=losses,
                 )
             return torch.stack([loss.detach() for loss in losses]).mean() if losses else None
