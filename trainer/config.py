@@ -31,6 +31,12 @@ class ModelConfig(_Section):
         BYTE_VOCAB, ge=BYTE_VOCAB, le=1_000_000, description="Vocabulary size; at least 256 for byte-level tokens."
     )
     seq_len: int = Field(128, ge=8, le=1_048_576, description="Tokens per training sequence.")
+    mlp: Literal["swiglu", "gelu"] = Field(
+        "swiglu", description="Feed-forward block: gated SwiGLU (three matrices) or GELU (two, as in GPT-3)."
+    )
+    tie_embeddings: bool = Field(False, description="Share one matrix between the token embedding and the output.")
+    experts: int = Field(1, ge=1, le=1024, description="Feed-forward experts per block (mixture of experts); 1 = dense.")
+    top_k: int = Field(1, ge=1, le=64, description="Experts each token is routed to; at most experts.")
 
     @field_validator("heads")
     @classmethod
@@ -52,6 +58,14 @@ class ModelConfig(_Section):
             choices = [k for k in range(1, heads + 1) if heads % k == 0]
             raise ValueError(f"must divide heads={heads}; valid choices are {choices}")
         return kv_heads
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_within_experts(cls, top_k: int, info: ValidationInfo) -> int:
+        experts = info.data.get("experts")
+        if experts is not None and top_k > experts:
+            raise ValueError(f"must be at most experts={experts}")
+        return top_k
 
 
 PIPELINE_SCHEDULES = (
@@ -97,12 +111,34 @@ class ParallelConfig(_Section):
         1, ge=1, le=65536, description="Pipeline microbatches that split each rank's batch; at least pp."
     )
     cp: int = Field(1, ge=1, le=512, description="Context-parallel degree: the sequence split over ranks.")
+    ep: int = Field(
+        1, ge=1, le=1024, description="Expert-parallel degree: MoE experts split over data/context-parallel ranks."
+    )
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(
+        None,
+        description=(
+            "What the dp_shard × cp ranks shard: 1 optimizer states, 2 also gradients, 3 also parameters (FSDP); "
+            "null: 3 when dp_shard × cp > 1, else 0."
+        ),
+    )
     reshard_after_forward: bool = Field(
         True, description="FSDP2: free gathered parameters after forward (less memory, one more all-gather)."
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Collective backend; auto picks NCCL on CUDA and gloo on CPU."
     )
+
+    @property
+    def sharding_ranks(self) -> int:
+        """Ranks that share one copy of the sharded state: FSDP shards over dp_shard × cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage in effect (zero_stage, or what dp_shard and cp imply)."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 3 if self.sharding_ranks > 1 else 0
 
     @property
     def data_parallel(self) -> int:
@@ -117,9 +153,12 @@ class ParallelConfig(_Section):
 class ComputeConfig(_Section):
     """How each rank computes: precision, activation recompute, compilation and kernels."""
 
-    precision: Literal["auto", "fp32", "bf16"] = Field(
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = Field(
         "auto",
-        description="bf16 mixed precision (fp32 master weights and reductions) or fp32; auto is bf16 on CUDA.",
+        description=(
+            "bf16 mixed precision (fp32 master weights and reductions), fp8 matmuls on top of it, or fp32; "
+            "auto is bf16 on CUDA."
+        ),
     )
     recompute: Literal["none", "selective", "full"] = Field(
         "none",
@@ -141,6 +180,7 @@ class OptimizerConfig(_Section):
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables clipping.")
+    offload: bool = Field(False, description="Keep optimizer states and master weights in CPU memory (ZeRO-Offload).")
 
 
 class DataConfig(_Section):
@@ -218,8 +258,11 @@ def field_errors(error: ValidationError) -> dict[str, str]:
     return errors
 
 
-def parse_config(document: Any) -> RunConfig:
-    """Validate a run-config document, raising ConfigError with field-level messages."""
+def parse_config(document: Any, *, runnable: bool = True) -> RunConfig:
+    """Validate a run-config document, raising ConfigError with field-level messages.
+
+    runnable=False accepts layouts the planner can estimate but this trainer cannot run yet
+    (mixture of experts, fp8, ZeRO-1/2, offload, …); launching always checks runnable."""
     if not isinstance(document, dict):
         raise ConfigError({"config": "must be a JSON object"})
     try:
@@ -227,9 +270,28 @@ def parse_config(document: Any) -> RunConfig:
     except ValidationError as error:
         raise ConfigError(field_errors(error)) from None
     errors = cross_section_errors(config)
+    if runnable:
+        errors = unrunnable_errors(config) | errors
     if errors:
         raise ConfigError(errors)
     return config
+
+
+def unrunnable_errors(config: RunConfig) -> dict[str, str]:
+    """Fields the planner estimates but this trainer does not run yet, keyed by field."""
+    model, parallel = config.model, config.parallel
+    reasons = {
+        "model.mlp": (model.mlp != "swiglu", "the trainer runs SwiGLU blocks only; use swiglu"),
+        "model.tie_embeddings": (model.tie_embeddings, "the trainer keeps embedding and output apart; use false"),
+        "model.experts": (model.experts > 1, "the trainer runs dense models only (mixture of experts is planned)"),
+        "parallel.zero_stage": (
+            parallel.zero_stage in (1, 2),
+            "the trainer shards with FSDP (ZeRO-3) or not at all; use 3, 0 or null",
+        ),
+        "compute.precision": (config.compute.precision == "fp8", "the trainer runs fp32 or bf16; use bf16"),
+        "optimizer.offload": (config.optimizer.offload, "the trainer keeps optimizer states on the device"),
+    }
+    return {field: message for field, (unrunnable, message) in reasons.items() if unrunnable}
 
 
 def world_size_of(document: dict) -> int:
@@ -272,6 +334,7 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
         reasons = " × ".join(reason for _, reason in sequence_splits)
         refuse("model.seq_len", f"must be divisible by {split} ({reasons})")
     _pipeline_errors(config, refuse)
+    _sharding_errors(config, refuse)
     if config.compute.compile and parallel.tp > 1:
         refuse("compute.compile", "cannot be combined with parallel.tp > 1 yet (DTensor backward fails); use false")
     if config.faults.crash_rank >= parallel.world_size:
@@ -309,3 +372,27 @@ def _pipeline_errors(config: RunConfig, refuse) -> None:
             "parallel.microbatches",
             f"must divide data.micro_batch={config.data.micro_batch}; valid choices are {valid}",
         )
+
+
+def _sharding_errors(config: RunConfig, refuse) -> None:
+    parallel, experts = config.parallel, config.model.experts
+    if parallel.zero_stage == 0 and parallel.sharding_ranks > 1:
+        refuse(
+            "parallel.zero_stage",
+            f"dp_shard × cp = {parallel.sharding_ranks} ranks shard the model (ZeRO-3); use 3 or null, or dp_shard 1",
+        )
+    if parallel.zero_stage in (1, 2, 3) and parallel.sharding_ranks == 1:
+        refuse("parallel.zero_stage", "needs dp_shard × cp > 1 ranks to shard over; use 0 or null")
+    if parallel.ep > 1:
+        if experts == 1:
+            refuse("parallel.ep", "needs a mixture-of-experts model (model.experts > 1); use 1")
+        elif experts % parallel.ep:
+            refuse("parallel.ep", f"must divide model.experts={experts}; valid choices are {divisors(experts)}")
+        expert_ranks = parallel.data_parallel * parallel.cp
+        if expert_ranks % parallel.ep:
+            valid = [d for d in divisors(expert_ranks) if experts % d == 0]
+            refuse(
+                "parallel.ep",
+                f"must divide dp_replicate × dp_shard × cp = {expert_ranks} (experts spread over those ranks); "
+                f"valid choices are {valid}",
+            )
