@@ -82,6 +82,8 @@ PIPELINE_SCHEDULES = (
 ONE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
 LOOPED_SCHEDULES = frozenset({"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"})
 V_SCHEDULES = frozenset({"ZBVZeroBubble", "DualPipeV"})
+# Schedules PyTorch runs in rounds of microbatches // pp microbatches each.
+ROUND_SCHEDULES = frozenset({"Interleaved1F1B", "InterleavedZeroBubble"})
 
 
 class ParallelConfig(_Section):
@@ -364,8 +366,19 @@ def _pipeline_errors(config: RunConfig, refuse) -> None:
             "parallel.pp",
             f"pp × stages_per_rank = {stages} must divide model.layers={layers}; valid pp here: {valid}",
         )
-    if parallel.microbatches < parallel.pp:
+    microbatches = parallel.microbatches
+    if microbatches < parallel.pp:
         refuse("parallel.microbatches", f"must be at least pp={parallel.pp} to keep every stage busy")
+    elif schedule in ROUND_SCHEDULES and microbatches % (microbatches // parallel.pp):
+        rounds = microbatches // parallel.pp
+        valid = [n for n in range(parallel.pp, 4 * parallel.pp + 1) if n % (n // parallel.pp) == 0]
+        refuse(
+            "parallel.microbatches",
+            f"must be a multiple of microbatches // pp = {rounds} for {schedule} (PyTorch runs it in rounds of "
+            f"about pp microbatches); valid choices include {valid}",
+        )
+    if schedule == "DualPipeV" and microbatches < 2 * parallel.pp:
+        refuse("parallel.microbatches", f"must be at least 2 × pp = {2 * parallel.pp} for DualPipeV")
     if config.data.micro_batch % parallel.microbatches:
         valid = [m for m in divisors(config.data.micro_batch) if m >= parallel.pp]
         refuse(

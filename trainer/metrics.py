@@ -11,6 +11,7 @@ from __future__ import annotations
 import resource
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from trainer.config import ModelConfig
 
@@ -43,6 +44,22 @@ def mfu(flops_per_token: float, global_tokens: int, step_time_s: float, world_si
     if peak is None:
         return None
     return flops_per_token * global_tokens / step_time_s / world_size / peak
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def state_bytes(parameters: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of model state this rank holds: its shards of the parameters, their gradients and the
+    optimizer's states (the step counts included). The planner predicts exactly these."""
+    states = [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+    return {
+        "parameter_bytes": sum(_local_bytes(parameter) for parameter in parameters),
+        "gradient_bytes": sum(_local_bytes(p.grad) for p in parameters if p.grad is not None),
+        "optimizer_bytes": sum(_local_bytes(value) for value in states),
+    }
 
 
 def memory(device: torch.device) -> dict[str, int]:

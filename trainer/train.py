@@ -29,7 +29,7 @@ from trainer import faults
 from trainer.comm import comm_recorder
 from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
 from trainer.data import WindowSampler
-from trainer.metrics import memory, mfu, model_flops_per_token, peak_flops
+from trainer.metrics import memory, mfu, model_flops_per_token, peak_flops, state_bytes
 from trainer.model import Transformer
 from trainer.parallel.apply import ParallelModel, parallelize
 from trainer.parallel.grads import clip_gradients
@@ -230,6 +230,8 @@ def train(
         }
         if local_loss is not None:
             metrics["loss"] = local_loss
+        if step == 1:
+            metrics |= state_bytes(parameters, optimizer)
         telemetry.emit("metric", metrics, step=step)
         comm.step_finished(step)
         print(

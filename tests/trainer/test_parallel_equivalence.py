@@ -4,7 +4,11 @@ parameters must match a single process's."""
 import pytest
 import torch
 
-from .torchrun import run_trainer
+from trainer.config import parse_config
+from trainer.plan.layout import Layout
+from trainer.plan.memory import state_bytes_of_rank
+
+from .torchrun import FinishedRun, run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +51,22 @@ LAYOUTS = {
 }
 
 
+def assert_planner_predicts_state_bytes(run: FinishedRun, document: dict) -> None:
+    """Every rank's parameter, gradient and optimizer-state bytes, as the trainer measured them,
+    are what the planner computes for that rank: exactly."""
+    planned = Layout(parse_config(document))
+    reported = {rank: event["payload"] for rank, event in run.events("metric") if event["step"] == 1}
+    assert sorted(reported) == list(range(planned.parallel.world_size))
+    for rank, payload in reported.items():
+        measured = {key: payload[key] for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes")}
+        assert measured == state_bytes_of_rank(planned, rank), f"rank {rank}"
+
+
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     run = run_trainer(tmp_path_factory.mktemp("single"), layout())
     assert run.returncode == 0, run.output[-4000:]
+    assert_planner_predicts_state_bytes(run, layout())
     return run
 
 
@@ -58,6 +74,7 @@ def single_process(tmp_path_factory):
 def test_layout_matches_a_single_process(name, single_process, tmp_path):
     run = run_trainer(tmp_path, LAYOUTS[name])
     assert run.returncode == 0, run.output[-4000:]
+    assert_planner_predicts_state_bytes(run, LAYOUTS[name])
     expected, actual = single_process.loss_means(), run.loss_means()
     assert len(actual) == STEPS
     for step, (want, got) in enumerate(zip(expected, actual, strict=True), start=1):

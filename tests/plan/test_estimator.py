@@ -1,0 +1,189 @@
+"""The planner's estimates against closed forms from the literature and against its own parts."""
+
+import subprocess
+import sys
+
+import pytest
+
+from trainer.config import ConfigError, parse_config
+from trainer.plan.activations import Shape, layer_bytes, megatron_layer
+from trainer.plan.estimate import estimate, parse_plan
+from trainer.plan.layout import Layout
+from trainer.plan.memory import activation_terms, in_flight_microbatches, model_state_terms, state_elements
+from trainer.plan.parameters import rank_tensors, total_parameters
+from trainer.plan.schedule import simulate
+from trainer.plan.terms import total
+from trainer.plan.traffic import predicted_matrix
+
+# Every matrix's rows divide by 4 and 8, so ZeRO's shards come out even.
+SMALL_MODEL = {"layers": 4, "dim": 256, "heads": 8, "kv_heads": 4, "ffn": 512, "vocab": 512, "seq_len": 256}
+
+
+def plan(parallel: dict, precision: str = "bf16", **sections) -> Layout:
+    document = {"model": SMALL_MODEL, "parallel": parallel, "compute": {"precision": precision}, **sections}
+    return Layout(parse_config(document, runnable=False))
+
+
+def model_state_bytes(layout: Layout) -> float:
+    """Parameters + gradients + optimizer states of pipeline rank 0, without AdamW's step counts."""
+    tensors = rank_tensors(layout.model, layout.parallel, 0)
+    return total(model_state_terms(layout, state_elements(layout, tensors))) - 4 * len(tensors)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "bytes_per_parameter"),
+    [
+        ({"dp_replicate": 4}, 16),
+        ({"dp_shard": 4, "zero_stage": 1}, 4 + 12 / 4),
+        ({"dp_shard": 4, "zero_stage": 2}, 2 + 14 / 4),
+        ({"dp_shard": 4, "zero_stage": 3}, 16 / 4),
+        ({"dp_shard": 8}, 16 / 8),
+        ({"dp_replicate": 2, "dp_shard": 4}, 16 / 4),
+    ],
+)
+def test_model_states_follow_zero(parallel, bytes_per_parameter):
+    """ZeRO (Rajbhandari et al. 2020, mixed precision, K = 12): 16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N."""
+    layout = plan(parallel)
+    assert model_state_bytes(layout) == bytes_per_parameter * total_parameters(layout.model)
+
+
+def test_tensor_parallel_splits_matrices_but_not_norms():
+    whole, split = plan({}), plan({"tp": 4})
+    norms = 2 * SMALL_MODEL["layers"] + 1
+    norm_elements = norms * SMALL_MODEL["dim"]
+    matrices = total_parameters(whole.model) - norm_elements
+    assert model_state_bytes(split) == 16 * (matrices / 4 + norm_elements)
+
+
+S, B, H, A = 2048, 1, 12288, 96
+SBH = S * B * H
+
+
+@pytest.mark.parametrize(
+    ("tp", "sequence_parallel", "recompute", "expected"),
+    [
+        (1, False, "none", 34 * SBH + 5 * A * S * S * B),
+        (8, False, "none", SBH * (10 + 24 / 8 + 5 * A * S / (H * 8))),
+        (8, True, "none", SBH / 8 * (34 + 5 * A * S / H)),
+        (8, False, "selective", SBH * (10 + 24 / 8)),
+        (8, True, "selective", SBH / 8 * 34),
+        (8, True, "full", 2 * SBH / 8),
+        (1, False, "full", 2 * SBH),
+    ],
+)
+def test_megatron_layer_reproduces_korthikanti(tp, sequence_parallel, recompute, expected):
+    """Korthikanti et al. 2022, table 2: activation bytes per layer for GPT-3 175B's shape."""
+    layer = megatron_layer(Shape(s=S, b=B, h=H, a=A, kv=H, f=4 * H))
+    assert layer_bytes(layer, recompute, tp, sequence_parallel) == pytest.approx(expected, rel=1e-12)
+
+
+def test_recompute_and_sequence_parallel_shrink_loom_activations():
+    def activations(**changes) -> float:
+        parallel = {"tp": 4, **changes.pop("parallel", {})}
+        layout = plan(parallel, compute={"precision": "bf16", **changes})
+        return activation_terms(layout, 0)[0].value
+
+    none, selective, full = (activations(recompute=mode) for mode in ("none", "selective", "full"))
+    assert none > selective > full
+    assert activations(parallel={"sequence_parallel": False}) > none
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages_per_rank"),
+    [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2),
+     ("ZBVZeroBubble", 2), ("DualPipeV", 2)],
+)  # fmt: skip
+def test_in_flight_microbatches_match_the_simulated_schedule(schedule, stages_per_rank):
+    p, m = 4, 8
+    layout = plan(
+        {"pp": p, "pp_schedule": schedule, "stages_per_rank": stages_per_rank, "microbatches": m},
+        model={**SMALL_MODEL, "layers": 8},
+        data={"micro_batch": m},
+    )
+    timeline = simulate(schedule, p, m, stages_per_rank, 1.0, 1.0, 1.0)
+    for rank in range(p):
+        assert in_flight_microbatches(layout, rank) == timeline.peak_in_flight[rank] / stages_per_rank, rank
+
+
+def data_parallel_sent(parallel: dict) -> float:
+    result = estimate({"model": SMALL_MODEL, "parallel": parallel, "compute": {"precision": "fp32"}},
+                      {"nodes": 1, "gpus_per_node": 8})  # fmt: skip
+    return result.comm_by_kind()["dp"]["sent_bytes"]
+
+
+def test_zero3_moves_one_and_a_half_times_what_ddp_moves():
+    """Rajbhandari et al.: ZeRO-3 costs 3Φ per step against data parallelism's 2Φ (same dtype)."""
+    ddp = data_parallel_sent({"dp_replicate": 8})
+    fsdp = data_parallel_sent({"dp_shard": 8})
+    parameters = total_parameters(plan({}).model)
+    assert ddp == pytest.approx(2 * 7 / 8 * 4 * parameters)
+    assert fsdp == pytest.approx(1.5 * ddp)
+
+
+def test_step_time_is_the_sum_of_its_terms_and_throughput_follows():
+    result = estimate({"model": {"preset": "llama3-8b"}, "parallel": {"dp_shard": 8, "tp": 1},
+                       "data": {"micro_batch": 1}, "compute": {"precision": "bf16", "recompute": "full"}},
+                      {"gpu": "H100-SXM", "nodes": 1})  # fmt: skip
+    assert result.step_s == pytest.approx(sum(term["value"] for term in result.to_json()["time"]["terms"]))
+    assert result.tokens_per_s == pytest.approx(8 * 8192 / result.step_s)
+    assert 0 < result.mfu < result.cluster.efficiency
+    # Full recompute repeats every forward: hardware FLOPs are 4/3 of the model's.
+    assert result.hardware_flops_per_step == pytest.approx(result.model_flops_per_step * 4 / 3, rel=1e-2)
+
+
+def test_llama3_70b_does_not_fit_on_fsdp_alone_and_says_why():
+    result = estimate({"model": {"preset": "llama3-70b"}, "parallel": {"dp_shard": 64},
+                       "data": {"micro_batch": 1}, "compute": {"precision": "bf16"}},
+                      {"gpu": "H100-SXM", "nodes": 8})  # fmt: skip
+    assert not result.fits
+    (warning,) = [w for w in result.warnings if w["field"] == "memory"]
+    assert "activations" in warning["message"]
+
+
+def test_tensor_parallel_across_nodes_is_warned():
+    result = estimate({"model": SMALL_MODEL, "parallel": {"tp": 4}}, {"nodes": 2, "gpus_per_node": 2})
+    assert "parallel.tp" in {w["field"] for w in result.warnings}
+
+
+@pytest.mark.parametrize(
+    ("document", "cluster", "field"),
+    [
+        ({"model": {"preset": "llama3-9000b"}}, {}, "model.preset"),
+        ({"model": SMALL_MODEL, "parallel": {"dp_shard": 16}}, {"nodes": 1}, "cluster.nodes"),
+        ({"model": SMALL_MODEL, "compute": {"precision": "fp8"}}, {"gpu": "A100-80GB"}, "compute.precision"),
+        ({"model": SMALL_MODEL}, {"gpu": "TPU"}, "cluster.gpu"),
+        ({"model": SMALL_MODEL, "parallel": {"tp": 3}}, {}, "parallel.tp"),
+        ({"model": SMALL_MODEL, "parallel": {"ep": 2}}, {}, "parallel.ep"),
+        ({"model": SMALL_MODEL, "parallel": {"zero_stage": 2}}, {}, "parallel.zero_stage"),
+    ],
+)
+def test_invalid_plans_name_the_field(document, cluster, field):
+    with pytest.raises(ConfigError) as refused:
+        parse_plan(document, cluster)
+    assert field in refused.value.errors
+
+
+def test_the_planner_estimates_what_the_trainer_refuses_to_run():
+    mixtral = {"model": {"preset": "mixtral-8x7b"}, "parallel": {"dp_shard": 8, "ep": 8}}
+    assert estimate(mixtral, {"nodes": 1}).layout.model.experts == 8
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"model": {"experts": 8, "top_k": 2}})
+    assert "model.experts" in refused.value.errors
+
+
+def test_predicted_traffic_has_the_layout_structure():
+    """pp2 × dp2 × tp2: TP pairs heaviest, then DP pairs, PP pairs only between adjacent stages."""
+    config = parse_config({"model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 64},
+                           "parallel": {"pp": 2, "dp_shard": 2, "tp": 2, "microbatches": 2},
+                           "compute": {"precision": "fp32"}, "data": {"micro_batch": 4}})  # fmt: skip
+    matrix = predicted_matrix(config)
+    tp, dp, pp = (matrix.by_kind[kind] for kind in ("tp", "dp", "pp"))
+    for rank in range(8):
+        # Ranks are placed tp innermost, then dp, then pp: the partners differ in one bit each.
+        assert tp[rank][rank ^ 1] > dp[rank][rank ^ 2] > pp[rank][rank ^ 4] > 0
+        assert sum(map(bool, matrix.bytes[rank])) == 3
+
+
+def test_the_planner_loads_without_torch():
+    probe = "import sys; import trainer.plan.estimate, trainer.plan.schedule; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", probe], check=True)

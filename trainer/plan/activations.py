@@ -1,0 +1,139 @@
+"""Activation memory: the tensors autograd keeps from forward to backward, per layer and microbatch.
+
+The terms follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
+(2022), tensor by tensor, for two runtimes:
+
+- "megatron": their GPT layer (LayerNorm, GELU MLP of 4h, dropout, attention that materialises the
+  softmax), sequence parallel re-gathering the inputs of column-parallel layers in backward, and
+  selective recompute of the core attention. It reproduces their closed forms: 34sbh + 5as²b per
+  layer without parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor parallel, sbh/t·(34 + 5as/h)
+  with sequence parallel, 34sbh/t with selective recompute, 2sbh/t with full recompute.
+- "loom": what trainer/ runs: RMSNorm, SwiGLU, grouped-query flash attention through
+  scaled_dot_product_attention (keeps q, k, v, its output and an fp32 logsumexp per row and head,
+  never the s² scores), no dropout; DTensor's sequence parallel keeps the all-gathered input of
+  the column-parallel projections; "selective" recomputes the attention sub-block (keeping its
+  input), "full" whole blocks (keeping each block's input).
+
+s is the sequence a rank holds (seq_len / cp), b the microbatch in sequences, h the hidden size,
+a heads, f the feed-forward size, t the tensor-parallel degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.config import ModelConfig
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+ALWAYS = frozenset(RECOMPUTE_MODES)
+UNLESS_RECOMPUTED = frozenset({"none"})
+UNLESS_FULL = frozenset({"none", "selective"})
+ONLY_SELECTIVE = frozenset({"selective"})
+ONLY_FULL = frozenset({"full"})
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    name: str
+    symbol: str
+    """Its size in the paper's symbols, per layer and microbatch, before parallel splits."""
+    elements: float
+    bytes_per_element: float
+    tp_split: bool
+    """Split over tensor-parallel ranks (heads or ffn columns)."""
+    sp_split: bool
+    """Split over tensor-parallel ranks along the sequence when sequence parallel is on."""
+    kept_under: frozenset[str]
+
+    def bytes(self, tp: int, sequence_parallel: bool) -> float:
+        split = tp if self.tp_split or (sequence_parallel and self.sp_split) else 1
+        return self.elements * self.bytes_per_element / split
+
+
+@dataclass(frozen=True)
+class Shape:
+    s: int
+    b: int
+    h: int
+    a: int
+    kv: int
+    """Key/value width: kv_heads × head_dim."""
+    f: int
+    top_k: int = 1
+
+    @classmethod
+    def of(cls, model: ModelConfig, local_seq: int, micro_seqs: int) -> Shape:
+        head_dim = model.dim // model.heads
+        top_k = model.top_k if model.experts > 1 else 1
+        return cls(local_seq, micro_seqs, model.dim, model.heads, model.kv_heads * head_dim, model.ffn, top_k)
+
+
+def loom_layer(
+    shape: Shape, model: ModelConfig, activation_bytes: float, matmul_input_bytes: float, gathered_seq: int
+) -> list[SavedTensor]:
+    """One block of trainer/model.py. Keys and values are gathered over the whole sequence under
+    context parallelism (gathered_seq = seq_len), so those two terms do not shrink with cp."""
+    s, b, h, a, kv, f, k = shape.s, shape.b, shape.h, shape.a, shape.kv, shape.f, shape.top_k
+    sbh, e, m = s * b * h, activation_bytes, matmul_input_bytes
+    tensors = [
+        SavedTensor("attention norm input", "sbh", sbh, e, False, True, UNLESS_FULL),
+        SavedTensor("norm statistics (fp32)", "2sb", 2 * s * b, 4, False, True, UNLESS_FULL),
+        SavedTensor("attention input, kept for recompute", "sbh", sbh, e, False, True, ONLY_SELECTIVE),
+        SavedTensor("q/k/v projection input", "sbh", sbh, m, False, False, UNLESS_RECOMPUTED),
+        SavedTensor("queries after RoPE", "sbh", sbh, e, True, False, UNLESS_RECOMPUTED),
+        SavedTensor(
+            "keys and values after RoPE", "2·S·b·kv", 2 * gathered_seq * b * kv, e, True, False, UNLESS_RECOMPUTED
+        ),
+        SavedTensor("attention output", "sbh", sbh, e, True, False, UNLESS_RECOMPUTED),
+        SavedTensor("softmax logsumexp (fp32)", "sba", s * b * a, 4, True, False, UNLESS_RECOMPUTED),
+        SavedTensor("output-projection input", "sbh", sbh, m, True, False, UNLESS_RECOMPUTED),
+        SavedTensor("MLP norm input", "sbh", sbh, e, False, True, UNLESS_FULL),
+        SavedTensor("MLP input", "sbh", sbh, m, False, False, UNLESS_FULL),
+    ]
+    if model.experts > 1:
+        tensors.append(
+            SavedTensor("router probabilities (fp32)", "sbE", s * b * model.experts, 4, False, False, UNLESS_FULL)
+        )
+        tensors.append(SavedTensor("tokens dispatched to experts", "k·sbh", k * sbh, m, False, False, UNLESS_FULL))
+    if model.mlp == "swiglu":
+        tensors.append(
+            SavedTensor("gate and up projections", "2·k·sbf", 2 * k * s * b * f, e, True, False, UNLESS_FULL)
+        )
+    else:
+        tensors.append(SavedTensor("GELU input", "k·sbf", k * s * b * f, e, True, False, UNLESS_FULL))
+    tensors.append(SavedTensor("down-projection input", "k·sbf", k * s * b * f, m, True, False, UNLESS_FULL))
+    tensors.append(SavedTensor("block input, kept for recompute", "sbh", sbh, e, False, True, ONLY_FULL))
+    return tensors
+
+
+def megatron_layer(shape: Shape) -> list[SavedTensor]:
+    """Korthikanti et al.'s GPT layer, 2-byte activations and 1-byte dropout masks (section 4.1)."""
+    s, b, h, a = shape.s, shape.b, shape.h, shape.a
+    sbh, as2b = s * b * h, a * s * s * b
+    core_attention = frozenset({"none"})
+    return [
+        SavedTensor("attention LayerNorm input", "sbh", sbh, 2, False, True, UNLESS_FULL),
+        SavedTensor("QKV input", "sbh", sbh, 2, False, True, UNLESS_FULL),
+        SavedTensor("Q and K", "2sbh", 2 * sbh, 2, True, False, UNLESS_FULL),
+        SavedTensor("softmax output", "as²b", as2b, 2, True, False, core_attention),
+        SavedTensor("softmax dropout mask", "as²b", as2b, 1, True, False, core_attention),
+        SavedTensor("softmax dropout output", "as²b", as2b, 2, True, False, core_attention),
+        SavedTensor("V", "sbh", sbh, 2, True, False, UNLESS_FULL),
+        SavedTensor("projection input", "sbh", sbh, 2, True, False, UNLESS_FULL),
+        SavedTensor("attention dropout mask", "sbh", sbh, 1, False, True, UNLESS_FULL),
+        SavedTensor("MLP LayerNorm input", "sbh", sbh, 2, False, True, UNLESS_FULL),
+        SavedTensor("MLP input", "sbh", sbh, 2, False, True, UNLESS_FULL),
+        SavedTensor("GeLU input", "4sbh", 4 * sbh, 2, True, False, UNLESS_FULL),
+        SavedTensor("second linear input", "4sbh", 4 * sbh, 2, True, False, UNLESS_FULL),
+        SavedTensor("MLP dropout mask", "sbh", sbh, 1, False, True, UNLESS_FULL),
+        SavedTensor("layer input, kept for recompute", "sbh", sbh, 2, False, True, ONLY_FULL),
+    ]
+
+
+def layer_bytes(tensors: list[SavedTensor], recompute: str, tp: int, sequence_parallel: bool) -> float:
+    """Bytes one layer keeps for one microbatch."""
+    return sum(t.bytes(tp, sequence_parallel) for t in tensors if recompute in t.kept_under)
+
+
+def kept(tensors: list[SavedTensor], recompute: str) -> list[SavedTensor]:
+    return [t for t in tensors if recompute in t.kept_under]

@@ -1,0 +1,279 @@
+"""Communication per step, per group kind: what each rank sends, how long it takes, how much of it
+compute hides.
+
+Ranks are placed tp innermost, then cp, dp_shard, dp_replicate, pp (trainer/parallel/mesh.py), so
+a group whose ranks span more than one node's GPUs crosses the network. Time per collective is an
+alpha-beta model of the ring algorithms: all-reduce 2(n−1)(α + B/(n·β)), all-gather and
+reduce-scatter (n−1)(α + B/(n·β)), all-to-all (n−1)(α + B/(n·β)), send/recv α + B/β, with B the
+whole buffer and β the link's bandwidth times the efficiency rings reach.
+
+What is exposed: tensor-, context- and expert-parallel collectives sit between dependent matmuls
+(fully exposed). FSDP's all-gathers are prefetched under the previous block's compute and its
+reduce-scatters run under the next block's backward; DDP all-reduces buckets under backward: only
+what exceeds that compute, plus the first gather and last reduction, is exposed. Pipeline sends
+overlap the steady state; the fill and drain, 2(p − 1) messages, are exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.plan.hardware import LINK_EFFICIENCY, ClusterSpec
+from trainer.plan.layout import Layout
+
+PLACEMENT = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+
+
+@dataclass(frozen=True)
+class Group:
+    kind: str
+    size: int
+    stride: int
+    """Distance between consecutive members' global ranks."""
+
+    def crosses_nodes(self, gpus_per_node: int) -> bool:
+        return self.size > 1 and self.stride * self.size > gpus_per_node
+
+
+def groups(layout: Layout) -> dict[str, Group]:
+    """The groups each kind of traffic runs in; FSDP shards over dp_shard × cp together."""
+    parallel = layout.parallel
+    degrees = {dim: getattr(parallel, dim) for dim in PLACEMENT}
+    strides, stride = {}, 1
+    for dim in PLACEMENT:
+        strides[dim] = stride
+        stride *= degrees[dim]
+    return {
+        "tp": Group("tp", degrees["tp"], strides["tp"]),
+        "cp": Group("cp", degrees["cp"], strides["cp"]),
+        "dp_shard": Group("dp", parallel.sharding_ranks, strides["cp"]),
+        "dp_replicate": Group("dp", degrees["dp_replicate"], strides["dp_replicate"]),
+        "dp": Group("dp", parallel.data_parallel, strides["dp_shard"]),
+        "pp": Group("pp", degrees["pp"], strides["pp"]),
+        "ep": Group("ep", parallel.ep, strides["cp"]),
+    }
+
+
+@dataclass
+class Traffic:
+    """One kind of collective in one group, summed over a step."""
+
+    kind: str
+    op: str
+    dim: str
+    """The group it runs in, a key of `groups()`."""
+    group_size: int
+    buffer_bytes: float
+    """One call's whole buffer (see trainer.traffic.CommOp.nbytes)."""
+    calls: float
+    inter_node: bool
+    time_s: float = 0.0
+    exposed_s: float = 0.0
+    note: str = ""
+    formula: str = field(default="")
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one rank sends over the step."""
+        n = self.group_size
+        per_call = {
+            "all_reduce": 2 * (n - 1) / n,
+            "all_gather": (n - 1) / n,
+            "reduce_scatter": (n - 1) / n,
+            "all_to_all": (n - 1) / n,
+            "send": 1.0,
+        }[self.op] * self.buffer_bytes
+        return per_call * self.calls
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "op": self.op,
+            "group_size": self.group_size,
+            "buffer_bytes": self.buffer_bytes,
+            "calls": self.calls,
+            "sent_bytes": self.sent_bytes,
+            "link": "inter-node" if self.inter_node else "intra-node",
+            "time_s": self.time_s,
+            "exposed_s": self.exposed_s,
+            "note": self.note,
+        }
+
+
+def collective_time(op: str, n: int, buffer_bytes: float, cluster: ClusterSpec, inter_node: bool) -> float:
+    if n < 2 and op != "send":
+        return 0.0
+    bandwidth = (cluster.inter_bandwidth if inter_node else cluster.intra_bandwidth) * LINK_EFFICIENCY
+    latency = cluster.inter_node_latency_s if inter_node else cluster.intra_node_latency_s
+    if op == "send":
+        return latency + buffer_bytes / bandwidth
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    return steps * (latency + buffer_bytes / (n * bandwidth))
+
+
+def step_traffic(
+    layout: Layout,
+    cluster: ClusterSpec,
+    state_elements: int,
+    rank_layers: int,
+    holds_embedding: bool,
+    holds_output: bool,
+) -> list[Traffic]:
+    """Every kind of traffic one rank takes part in during a step. state_elements counts the
+    parameters the rank holds before sharding (after tp, pp, ep); rank_layers its blocks."""
+    parallel, model = layout.parallel, layout.model
+    gpn = cluster.gpus_per_node
+    group = groups(layout)
+    m, e, c = layout.microbatches, layout.activation_bytes, layout.compute_bytes
+    recompute = layout.config.compute.recompute
+    repeats = {"none": 0, "selective": 0.5, "full": 1}[recompute]
+    sbh = layout.local_seq * layout.micro_seqs * model.dim * e
+    traffic: list[Traffic] = []
+
+    def add(kind: str, op: str, dim: str, buffer: float, calls: float, note: str) -> None:
+        members = group[dim]
+        if members.size > 1 and calls > 0 and buffer > 0:
+            traffic.append(Traffic(kind, op, dim, members.size, buffer, calls, members.crosses_nodes(gpn), note=note))
+
+    if parallel.tp > 1:
+        # Per block: two collectives forward (after wo and after w2) and two backward (before the
+        # q/k/v and w1/w3 input gradients); sequence parallel turns each into a gather and a scatter
+        # (forward: gather in, scatter out; backward the reverse). Recompute repeats the forward ones;
+        # the embedding and the output add one each way.
+        ends = (1 if holds_embedding else 0) + (1 if holds_output else 0)
+        if parallel.sequence_parallel:
+            each = m * (rank_layers * (4 + 2 * repeats) + ends)
+            add("tp", "all_gather", "tp", sbh, each, "sequence parallel: into q/k/v and the MLP")
+            add("tp", "reduce_scatter", "tp", sbh, each, "sequence parallel: out of wo and w2")
+        else:
+            add(
+                "tp",
+                "all_reduce",
+                "tp",
+                sbh,
+                m * (rank_layers * (4 + 2 * repeats) + ends),
+                "after wo and w2 forward, before q/k/v and w1/w3 backward",
+            )
+    if parallel.cp > 1:
+        head_dim = model.dim // model.heads
+        kv = 2 * model.seq_len * layout.micro_seqs * model.kv_heads * head_dim / parallel.tp * e
+        add("cp", "all_gather", "cp", kv, m * rank_layers * (1 + repeats * 2), "keys and values of every cp rank")
+        add("cp", "reduce_scatter", "cp", kv, m * rank_layers, "their gradients back to their owners")
+    if model.experts > 1 and parallel.ep > 1:
+        tokens = layout.local_seq * layout.micro_seqs * model.dim * e * model.top_k
+        add("ep", "all_to_all", "ep", tokens, m * rank_layers * (4 + 2 * repeats), "dispatch and combine, both ways")
+    traffic += data_parallel_traffic(layout, group, gpn, state_elements, c)
+    if parallel.pp > 1:
+        split = parallel.tp if parallel.sequence_parallel and parallel.tp > 1 else 1
+        message = sbh / split
+        add("pp", "send", "pp", message, 2 * m * layout.stages_per_rank, "activations forward, gradients backward")
+    for item in traffic:
+        item.time_s = (
+            collective_time(item.op, item.group_size, item.buffer_bytes, cluster, item.inter_node) * item.calls
+        )
+    return traffic
+
+
+def data_parallel_traffic(layout: Layout, group: dict[str, Group], gpn: int, elements: int, c: int) -> list[Traffic]:
+    parallel, m = layout.parallel, layout.microbatches
+    traffic = []
+    shard, replicate = group["dp_shard"], group["dp_replicate"]
+    zero = parallel.zero
+    if zero == 0:
+        everyone = group["dp"]
+        if everyone.size > 1:
+            traffic.append(
+                Traffic(
+                    "dp",
+                    "all_reduce",
+                    "dp",
+                    everyone.size,
+                    4 * elements,
+                    1,
+                    everyone.crosses_nodes(gpn),
+                    note="DDP: fp32 gradients",
+                )
+            )
+        return traffic
+    if zero == 3:
+        gathers = (m if parallel.reshard_after_forward else 1) + (1 if parallel.reshard_after_forward else 0)
+        traffic.append(
+            Traffic(
+                "dp",
+                "all_gather",
+                "dp_shard",
+                shard.size,
+                c * elements,
+                gathers,
+                shard.crosses_nodes(gpn),
+                note="FSDP: parameters before forward" + (" and backward" if gathers > 1 else ""),
+            )
+        )
+        traffic.append(
+            Traffic(
+                "dp",
+                "reduce_scatter",
+                "dp_shard",
+                shard.size,
+                4 * elements,
+                1,
+                shard.crosses_nodes(gpn),
+                note="FSDP: fp32 gradients",
+            )
+        )
+        grad_bytes = 4
+    else:
+        traffic.append(
+            Traffic(
+                "dp",
+                "reduce_scatter",
+                "dp_shard",
+                shard.size,
+                c * elements,
+                1,
+                shard.crosses_nodes(gpn),
+                note=f"ZeRO-{zero}: gradients to their optimizer shard",
+            )
+        )
+        traffic.append(
+            Traffic(
+                "dp",
+                "all_gather",
+                "dp_shard",
+                shard.size,
+                c * elements,
+                1,
+                shard.crosses_nodes(gpn),
+                note=f"ZeRO-{zero}: updated parameters",
+            )
+        )
+        grad_bytes = c
+    if replicate.size > 1:
+        traffic.append(
+            Traffic(
+                "dp",
+                "all_reduce",
+                "dp_replicate",
+                replicate.size,
+                grad_bytes * elements / shard.size,
+                1,
+                replicate.crosses_nodes(gpn),
+                note="HSDP: each shard's gradients across replicas",
+            )
+        )
+    return traffic
+
+
+def expose(traffic: list[Traffic], forward_s: float, backward_s: float, rank_layers: int, pipeline_ranks: int) -> None:
+    """Fill in exposed_s: what compute cannot hide (see the module docstring)."""
+    layers = max(rank_layers, 1)
+    for item in traffic:
+        if item.kind in ("tp", "cp", "ep"):
+            item.exposed_s = item.time_s
+        elif item.kind == "pp":
+            per_message = item.time_s / item.calls
+            item.exposed_s = min(item.time_s, 2 * (pipeline_ranks - 1) * per_message)
+        elif item.op == "all_gather":
+            item.exposed_s = max(0.0, item.time_s - forward_s - backward_s) + item.time_s / item.calls / layers
+        else:
+            item.exposed_s = max(0.0, item.time_s - backward_s) + item.time_s / layers

@@ -1,0 +1,342 @@
+"""One layout's estimate: memory per pipeline rank, step time and its parts, communication,
+throughput and MFU, warnings — every number with the terms it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.config import ConfigError, RunConfig, parse_config
+from trainer.plan.communication import Traffic, expose, groups, step_traffic
+from trainer.plan.compute import RankCompute, model_flops_per_token, rank_compute, stages_compute
+from trainer.plan.hardware import ClusterSpec, parse_cluster
+from trainer.plan.layout import Layout
+from trainer.plan.memory import RankMemory, memory_per_rank, state_elements
+from trainer.plan.parameters import rank_tensors, stage_layers, stages_of_rank, total_parameters
+from trainer.plan.presets import with_preset
+from trainer.plan.schedule import Timeline, closed_form_bubble, simulate
+from trainer.plan.terms import Term, count
+
+# AdamW reads parameter, gradient and both moments and writes parameter and moments: 28 bytes per
+# fp32 parameter, bound by memory bandwidth.
+OPTIMIZER_BYTES_PER_PARAMETER = 28
+CPU_OPTIMIZER_BANDWIDTH = 50e9
+PCIE_BANDWIDTH = 25e9
+BUBBLE_WARNING = 0.25
+
+
+@dataclass
+class RankTime:
+    pp_rank: int
+    compute: RankCompute
+    traffic: list[Traffic]
+
+    def exposed(self, kinds: tuple[str, ...]) -> float:
+        return sum(item.exposed_s for item in self.traffic if item.kind in kinds)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    cluster: ClusterSpec
+    memory: list[RankMemory]
+    ranks: list[RankTime]
+    time_terms: list[Term]
+    bubble_fraction: float
+    timeline: Timeline | None
+    warnings: list[dict] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return sum(term.value for term in self.time_terms)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.layout.tokens_per_step / self.step_s
+
+    @property
+    def model_flops_per_step(self) -> float:
+        return model_flops_per_token(self.layout.model) * self.layout.tokens_per_step
+
+    @property
+    def hardware_flops_per_step(self) -> float:
+        per_replica = (
+            sum(
+                rank.compute.forward_flops + rank.compute.backward_flops + rank.compute.recompute_flops
+                for rank in self.ranks
+            )
+            * self.layout.microbatches
+        )
+        parallel = self.layout.parallel
+        return per_replica * parallel.tp * parallel.cp * parallel.data_parallel
+
+    @property
+    def mfu(self) -> float:
+        peak = self.cluster.gpu_type.peak_bf16_flops
+        return self.model_flops_per_step / (self.step_s * self.layout.parallel.world_size * peak)
+
+    @property
+    def peak(self) -> RankMemory:
+        return max(self.memory, key=lambda rank: rank.device_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.device_bytes <= self.cluster.gpu_type.memory_bytes
+
+    def comm_by_kind(self) -> dict[str, dict]:
+        """Per group kind, over the pipeline rank that spends longest communicating."""
+        busiest = max(self.ranks, key=lambda rank: sum(item.time_s for item in rank.traffic))
+        kinds: dict[str, dict] = {}
+        for item in busiest.traffic:
+            entry = kinds.setdefault(item.kind, {"sent_bytes": 0.0, "time_s": 0.0, "exposed_s": 0.0, "ops": []})
+            entry["sent_bytes"] += item.sent_bytes
+            entry["time_s"] += item.time_s
+            entry["exposed_s"] += item.exposed_s
+            entry["ops"].append(item.to_json())
+        return kinds
+
+    def to_json(self, timeline: bool = True) -> dict:
+        layout, parallel = self.layout, self.layout.parallel
+        peak = self.peak
+        return {
+            "config": layout.config.model_dump(mode="json"),
+            "cluster": self.cluster.model_dump(mode="json"),
+            "layout": {
+                "world_size": parallel.world_size,
+                "gpus_in_cluster": self.cluster.world_size,
+                "zero_stage": parallel.zero,
+                "sharding_ranks": parallel.sharding_ranks,
+                "global_batch": layout.global_batch,
+                "micro_batch": layout.micro_seqs,
+                "microbatches": layout.microbatches,
+                "tokens_per_step": layout.tokens_per_step,
+                "parameters": total_parameters(layout.model),
+                "precision": layout.precision,
+                "placement": "tp innermost, then cp, dp_shard, dp_replicate, pp",
+                "groups_crossing_nodes": sorted(
+                    {g.kind for g in groups(layout).values() if g.crosses_nodes(self.cluster.gpus_per_node)}
+                ),
+            },
+            "memory": {
+                "capacity_bytes": self.cluster.gpu_type.memory_bytes,
+                "peak_bytes": peak.device_bytes,
+                "peak_allocated_bytes": peak.allocated_bytes,
+                "peak_pp_rank": peak.pp_rank,
+                "fits": self.fits,
+                "ranks": [rank.to_json() for rank in self.memory],
+            },
+            "flops": {
+                "model_flops_per_token": model_flops_per_token(layout.model),
+                "model_flops_per_step": self.model_flops_per_step,
+                "hardware_flops_per_step": self.hardware_flops_per_step,
+            },
+            "time": {
+                "step_s": self.step_s,
+                "terms": [term.to_json() for term in self.time_terms],
+            },
+            "bubble_fraction": self.bubble_fraction,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "comm": self.comm_by_kind(),
+            "timeline": self.timeline.to_json() if timeline and self.timeline else None,
+            "warnings": self.warnings,
+        }
+
+
+def parse_plan(document: object, cluster_document: object = None) -> tuple[RunConfig, ClusterSpec]:
+    """Validate a run config (a model preset allowed) and a cluster, with every field error at once."""
+    errors: dict[str, str] = {}
+    config = cluster = None
+    try:
+        config = parse_config(with_preset(document) if isinstance(document, dict) else document, runnable=False)
+    except ConfigError as error:
+        errors |= error.errors
+    try:
+        cluster = parse_cluster(cluster_document)
+    except ConfigError as error:
+        errors |= error.errors
+    if config is not None and cluster is not None:
+        errors |= fit_errors(config, cluster)
+    if errors:
+        raise ConfigError(errors)
+    return config, cluster
+
+
+def fit_errors(config: RunConfig, cluster: ClusterSpec) -> dict[str, str]:
+    errors = {}
+    world = config.parallel.world_size
+    if world > cluster.world_size:
+        errors["cluster.nodes"] = (
+            f"the layout needs {world} GPUs (pp × dp_replicate × dp_shard × cp × tp); the cluster has "
+            f"{cluster.world_size}: at least {-(-world // cluster.gpus_per_node)} nodes"
+        )
+    if config.compute.precision == "fp8" and cluster.gpu_type.peak_fp8_flops is None:
+        errors["compute.precision"] = f"{cluster.gpu} has no fp8 tensor cores; use bf16"
+    return errors
+
+
+def estimate(document: object, cluster_document: object = None, *, timeline: bool = True) -> Estimate:
+    config, cluster = parse_plan(document, cluster_document)
+    return estimate_layout(Layout(config), cluster, timeline=timeline)
+
+
+def estimate_layout(layout: Layout, cluster: ClusterSpec, *, timeline: bool = True) -> Estimate:
+    parallel = layout.parallel
+    memory = memory_per_rank(layout)
+    ranks = [rank_time(layout, cluster, pp_rank) for pp_rank in range(parallel.pp)]
+    busy = [layout.microbatches * rank.compute.total_s + rank.exposed(("tp", "cp", "ep")) for rank in ranks]
+    drawn = simulate_step(layout, cluster, ranks, busy) if timeline and parallel.pp > 1 else None
+    if drawn is not None:
+        pipeline_s, bubble = drawn.step_s, drawn.bubble_fraction
+    else:
+        bubble = (
+            closed_form_bubble(parallel.pp_schedule, parallel.pp, layout.microbatches, layout.stages_per_rank)
+            if parallel.pp > 1
+            else 0.0
+        )
+        pipeline_s = max(busy) * (1 + bubble)
+    slowest = max(range(parallel.pp), key=lambda r: busy[r])
+    terms = time_terms(layout, cluster, ranks, busy, slowest, pipeline_s, bubble)
+    result = Estimate(layout, cluster, memory, ranks, terms, bubble, drawn)
+    result.warnings = warnings(result)
+    return result
+
+
+def rank_time(layout: Layout, cluster: ClusterSpec, pp_rank: int) -> RankTime:
+    parallel, model = layout.parallel, layout.model
+    compute = rank_compute(layout, cluster, pp_rank)
+    stages = stages_of_rank(parallel, pp_rank)
+    layers = sum(len(stage_layers(model, layout.total_stages, stage)) for stage in stages)
+    elements = state_elements(layout, rank_tensors(model, parallel, pp_rank)).unsharded
+    traffic = step_traffic(layout, cluster, elements, layers, 0 in stages, layout.total_stages - 1 in stages)
+    expose(traffic, compute.forward_s, compute.backward_s, layers, parallel.pp)
+    return RankTime(pp_rank, compute, traffic)
+
+
+def simulate_step(layout: Layout, cluster: ClusterSpec, ranks: list[RankTime], busy: list[float]) -> Timeline:
+    """The schedule drawn with each stage's own cost: its FLOPs, stretched by its rank's exposed
+    tensor/context/expert-parallel communication."""
+    parallel = layout.parallel
+    forward, backward, weight = [], [], []
+    for stage in range(layout.total_stages):
+        rank = next(r for r in range(parallel.pp) if stage in stages_of_rank(parallel, r))
+        stretch = busy[rank] / (layout.microbatches * ranks[rank].compute.total_s)
+        cost = stages_compute(layout, cluster, [stage])
+        forward.append(cost.forward_s * stretch)
+        backward.append((cost.backward_s - cost.backward_flops / 2 * cost.seconds_per_flop) * stretch)
+        weight.append(cost.backward_flops / 2 * cost.seconds_per_flop * stretch)
+    pp_messages = [item for item in ranks[0].traffic if item.kind == "pp"]
+    p2p = pp_messages[0].time_s / pp_messages[0].calls if pp_messages else 0.0
+    return simulate(
+        parallel.pp_schedule, parallel.pp, layout.microbatches, layout.stages_per_rank, forward, backward, weight, p2p
+    )
+
+
+def time_terms(
+    layout: Layout,
+    cluster: ClusterSpec,
+    ranks: list[RankTime],
+    busy: list[float],
+    slowest: int,
+    pipeline_s: float,
+    bubble: float,
+) -> list[Term]:
+    rank = ranks[slowest]
+    m = layout.microbatches
+    compute_s = m * rank.compute.total_s
+    in_layer_comm = busy[slowest] - compute_s
+    terms = [
+        Term(
+            "compute",
+            compute_s,
+            f"{m} microbatch(es) × (forward + backward{' + recompute' if rank.compute.recompute_flops else ''}) "
+            f"FLOPs × {rank.compute.seconds_per_flop:.3e} s/FLOP (pipeline rank {slowest})",
+        ),
+        Term("exposed tp/cp/ep communication", in_layer_comm, "collectives between dependent matmuls, not overlapped"),
+    ]
+    if layout.parallel.pp > 1:
+        terms.append(
+            Term(
+                "pipeline bubble",
+                pipeline_s - busy[slowest],
+                f"{layout.parallel.pp_schedule}: bubble fraction {bubble:.3f} of compute "
+                f"(p={layout.parallel.pp}, m={m}, v={layout.stages_per_rank})",
+            )
+        )
+    data_parallel = max(r.exposed(("dp",)) for r in ranks)
+    terms.append(
+        Term(
+            "exposed data-parallel communication",
+            data_parallel,
+            "gradient reduction and parameter gathers beyond what backward/forward compute hides",
+        )
+    )
+    pipeline_p2p = max(r.exposed(("pp",)) for r in ranks)
+    if layout.parallel.pp > 1:
+        terms.append(Term("exposed pipeline send/recv", pipeline_p2p, "fill and drain: 2(p − 1) messages"))
+    terms.append(optimizer_term(layout, cluster))
+    return terms
+
+
+def optimizer_term(layout: Layout, cluster: ClusterSpec) -> Term:
+    elements = max(
+        state_elements(layout, rank_tensors(layout.model, layout.parallel, r)).optimizer
+        for r in range(layout.parallel.pp)
+    )
+    if layout.config.optimizer.offload:
+        seconds = elements * (OPTIMIZER_BYTES_PER_PARAMETER / CPU_OPTIMIZER_BANDWIDTH + 4 / PCIE_BANDWIDTH)
+        return Term(
+            "optimizer step",
+            seconds,
+            f"on the CPU: {count(elements)} parameters × ({OPTIMIZER_BYTES_PER_PARAMETER} B at "
+            f"{CPU_OPTIMIZER_BANDWIDTH / 1e9:g} GB/s + 4 B over PCIe)",
+        )
+    bandwidth = cluster.gpu_type.memory_bandwidth
+    return Term(
+        "optimizer step",
+        elements * OPTIMIZER_BYTES_PER_PARAMETER / bandwidth,
+        f"{OPTIMIZER_BYTES_PER_PARAMETER} B × {count(elements)} parameters / {bandwidth / 1e12:g} TB/s HBM",
+    )
+
+
+def warnings(result: Estimate) -> list[dict]:
+    layout, cluster = result.layout, result.cluster
+    parallel, gpn = layout.parallel, cluster.gpus_per_node
+    found = []
+    crossing = groups(layout)
+    if crossing["tp"].crosses_nodes(gpn):
+        found.append(
+            (
+                "parallel.tp",
+                f"tp={parallel.tp} spans more than one node ({gpn} GPUs): every layer's "
+                "collectives cross the network; keep tp within a node",
+            )
+        )
+    if crossing["cp"].crosses_nodes(gpn):
+        found.append(
+            (
+                "parallel.cp",
+                f"tp × cp = {parallel.tp * parallel.cp} spans more than one node: the "
+                "key/value exchange crosses the network",
+            )
+        )
+    if not result.fits:
+        peak = result.peak
+        found.append(
+            (
+                "memory",
+                f"does not fit: pipeline rank {peak.pp_rank} needs {peak.device_bytes / 2**30:.1f} "
+                f"GiB of {cluster.gpu_type.memory_bytes / 2**30:.0f} GiB; "
+                f"largest part: {max(peak.terms, key=lambda t: t.value).name}",
+            )
+        )
+    if result.bubble_fraction > BUBBLE_WARNING:
+        found.append(
+            (
+                "parallel.microbatches",
+                f"pipeline bubble is {result.bubble_fraction:.0%} of compute; "
+                "more microbatches or an interleaved schedule shrink it",
+            )
+        )
+    if parallel.world_size < cluster.world_size:
+        found.append(("cluster.nodes", f"uses {parallel.world_size} of the cluster's {cluster.world_size} GPUs"))
+    return [{"field": name, "message": message} for name, message in found]

@@ -1,0 +1,117 @@
+"""GPU types and the cluster they sit in: what the planner prices compute, memory and links with.
+
+Peak FLOP/s are vendor datasheet figures for dense tensor-core math (no sparsity). Achievable
+efficiency is the fraction of that peak a well-tuned transformer's matmuls and attention reach
+end to end on that GPU (Megatron-LM and torchtitan report 50–60 % MFU on A100/H100 for large
+models, which includes their exposed communication; the kernels alone run faster). Link figures
+are per GPU and per direction: NVLink inside a node, the GPU's share of the network between nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.config import ConfigError, field_errors
+
+GIB = 2**30
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class GpuType:
+    name: str
+    peak_bf16_flops: float
+    peak_fp8_flops: float | None
+    memory_bytes: int
+    memory_bandwidth: float
+    """HBM bytes per second."""
+    compute_efficiency: float
+    """Fraction of peak the model's kernels reach."""
+    intra_node_bandwidth: float
+    """Bytes per second per GPU per direction over NVLink (or PCIe)."""
+    inter_node_bandwidth: float
+    """Bytes per second per GPU per direction over the network."""
+
+
+GPU_TYPES: dict[str, GpuType] = {
+    gpu.name: gpu
+    for gpu in (
+        GpuType("A100-40GB", 312e12, None, 40 * GIB, 1.555e12, 0.62, 300 * GB, 25 * GB),
+        GpuType("A100-80GB", 312e12, None, 80 * GIB, 2.039e12, 0.62, 300 * GB, 25 * GB),
+        GpuType("H100-SXM", 989e12, 1979e12, 80 * GIB, 3.35e12, 0.58, 450 * GB, 50 * GB),
+        GpuType("H100-PCIe", 756e12, 1513e12, 80 * GIB, 2.0e12, 0.55, 64 * GB, 50 * GB),
+        GpuType("H200", 989e12, 1979e12, 141 * GB, 4.8e12, 0.60, 450 * GB, 50 * GB),
+        GpuType("B200", 2250e12, 4500e12, 180 * GB, 8.0e12, 0.55, 900 * GB, 100 * GB),
+    )
+}
+
+# NCCL's ring collectives reach about this fraction of the link's bandwidth for large buffers.
+LINK_EFFICIENCY = 0.8
+INTRA_NODE_LATENCY_S = 5e-6
+INTER_NODE_LATENCY_S = 15e-6
+
+
+class ClusterSpec(BaseModel):
+    """Where a run would go: how many nodes of which GPU, and how they are linked."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu: str = Field("H100-SXM", description=f"GPU type, one of {', '.join(GPU_TYPES)}.")
+    nodes: int = Field(1, ge=1, le=100_000, description="Nodes in the cluster.")
+    gpus_per_node: int = Field(8, ge=1, le=72, description="GPUs in each node (one NVLink domain).")
+    intra_node_bandwidth: float | None = Field(
+        None, gt=0, description="Bytes/s per GPU per direction inside a node; null: the GPU type's NVLink figure."
+    )
+    inter_node_bandwidth: float | None = Field(
+        None, gt=0, description="Bytes/s per GPU per direction between nodes; null: the GPU type's network share."
+    )
+    intra_node_latency_s: float = Field(INTRA_NODE_LATENCY_S, ge=0, description="Per-message latency inside a node.")
+    inter_node_latency_s: float = Field(INTER_NODE_LATENCY_S, ge=0, description="Per-message latency between nodes.")
+    compute_efficiency: float | None = Field(
+        None, gt=0, le=1, description="Fraction of peak FLOP/s the kernels reach; null: the GPU type's figure."
+    )
+
+    @model_validator(mode="after")
+    def _known_gpu(self) -> ClusterSpec:
+        if self.gpu not in GPU_TYPES:
+            raise ValueError(f"gpu: unknown GPU type {self.gpu!r}; valid choices are {list(GPU_TYPES)}")
+        return self
+
+    @property
+    def gpu_type(self) -> GpuType:
+        return GPU_TYPES[self.gpu]
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def intra_bandwidth(self) -> float:
+        return self.intra_node_bandwidth or self.gpu_type.intra_node_bandwidth
+
+    @property
+    def inter_bandwidth(self) -> float:
+        return self.inter_node_bandwidth or self.gpu_type.inter_node_bandwidth
+
+    @property
+    def efficiency(self) -> float:
+        return self.compute_efficiency or self.gpu_type.compute_efficiency
+
+
+def parse_cluster(document: object) -> ClusterSpec:
+    """Validate a cluster description, raising ConfigError keyed by "cluster.<field>"."""
+    if document is None:
+        document = {}
+    if not isinstance(document, dict):
+        raise ConfigError({"cluster": "must be a JSON object"})
+    try:
+        return ClusterSpec.model_validate(document)
+    except ValidationError as error:
+        errors = {}
+        for field, message in field_errors(error).items():
+            if field == "config" and message.startswith("gpu: "):
+                field, message = "gpu", message.removeprefix("gpu: ")
+            errors[f"cluster.{field}"] = message
+        raise ConfigError(errors) from None

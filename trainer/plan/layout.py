@@ -1,0 +1,92 @@
+"""The quantities every estimate derives from a validated run config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from trainer.config import RunConfig
+
+# Bytes per activation element by precision; fp8 keeps matmul inputs in 1 byte (Transformer
+# Engine saves its fp8 casts for backward) and everything else in bf16.
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
+MATMUL_INPUT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Layout:
+    config: RunConfig
+
+    @property
+    def model(self):
+        return self.config.model
+
+    @property
+    def parallel(self):
+        return self.config.parallel
+
+    @cached_property
+    def precision(self) -> str:
+        """auto means bf16: the planner prices GPUs."""
+        precision = self.config.compute.precision
+        return "bf16" if precision == "auto" else precision
+
+    @property
+    def pipeline_ranks(self) -> int:
+        return self.parallel.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.parallel.stages_per_rank if self.parallel.pp > 1 else 1
+
+    @property
+    def total_stages(self) -> int:
+        return self.parallel.pp * self.stages_per_rank
+
+    @property
+    def microbatches(self) -> int:
+        return self.parallel.microbatches if self.parallel.pp > 1 else 1
+
+    @property
+    def micro_seqs(self) -> int:
+        """Sequences in one microbatch (b)."""
+        return self.config.data.micro_batch // self.microbatches
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of each sequence one rank holds (s): the sequence split over cp."""
+        return self.model.seq_len // self.parallel.cp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.config.data.micro_batch * self.parallel.data_parallel
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.model.seq_len
+
+    @property
+    def activation_bytes(self) -> int:
+        return ACTIVATION_BYTES[self.precision]
+
+    @property
+    def matmul_input_bytes(self) -> int:
+        return MATMUL_INPUT_BYTES[self.precision]
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of a parameter as the matmuls read it (FSDP gathers it in this dtype)."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def keeps_fp32_master_parameters(self) -> bool:
+        """loom's trainer (DDP, FSDP2) keeps fp32 parameters and gradients and computes in bf16 on
+        the fly; ZeRO-1/2 (Megatron's distributed optimizer, DeepSpeed) keep bf16 parameters and
+        gradients, with the fp32 master copy inside the optimizer states."""
+        return self.precision == "fp32" or self.parallel.zero in (0, 3)
+
+    @property
+    def fused_loss(self) -> bool:
+        """The chunked cross-entropy (no full logits) runs without tp and pp (trainer/parallel/apply.py)."""
+        return self.parallel.tp == 1 and self.parallel.pp == 1

@@ -1,0 +1,289 @@
+"""Memory per GPU for every pipeline rank: model states, activations, buffers, and the peak.
+
+Model states by ZeRO stage (Rajbhandari et al. 2020) over the N = dp_shard × cp sharding ranks,
+Φ the parameters a rank holds after tensor and pipeline splits:
+
+- loom's trainer (no sharding, or FSDP2 = ZeRO-3) keeps fp32 parameters, fp32 gradients and
+  AdamW's two fp32 moments: 4Φ + 4Φ + 8Φ = 16Φ, or 16Φ/N sharded; in bf16 it computes on bf16
+  copies made on the fly (the "working copies" term).
+- ZeRO-1/2 in bf16 (Megatron-LM's distributed optimizer, DeepSpeed) keep bf16 parameters and
+  gradients and 12 bytes of optimizer state (fp32 master, two moments): 2Φ + 2Φ + 12Φ/N (ZeRO-1),
+  2Φ + 14Φ/N (ZeRO-2); ZeRO-3 is 16Φ/N either way.
+
+AdamW also keeps one 4-byte step count per parameter tensor. Activations come from
+trainer.plan.activations times the microbatches a pipeline rank holds at its peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.plan.activations import Shape, kept, layer_bytes, loom_layer
+from trainer.plan.layout import Layout
+from trainer.plan.parameters import ParameterTensor, local_elements, rank_tensors, stage_layers, stages_of_rank
+from trainer.plan.terms import Term, count, total
+
+GIB = 2**30
+# What the caching allocator reserves beyond what tensors use (fragmentation, rounding), and what
+# the CUDA context, cuBLAS and NCCL take outside the allocator.
+ALLOCATOR_MARGIN = 0.07
+CONTEXT_BYTES = 0.75 * GIB
+
+
+def in_flight_microbatches(layout: Layout, pp_rank: int) -> float:
+    """Microbatches whose activations a pipeline rank holds at its peak, in units of one
+    microbatch through all the rank's layers (PyTorch's op orders; trainer.plan.schedule's
+    simulation counts the same in stage-microbatches).
+
+    GPipe holds all m; LoopedBFS all m of every local stage. 1F1B holds p − r on rank r.
+    Interleaved 1F1B warms up with (v − 1)p + 2(p − r − 1) + 1 chunks of 1/v of the rank's layers
+    (p(1 + (p − 1)/(pv)) on the first rank, Narayanan et al. 2021); PyTorch's interleaved
+    zero-bubble order warms up with (v − 1)p + (p − r − 1) + 1. ZB-V holds 2p half-ranks (= p, as
+    1F1B's first rank), DualPipeV 2p + 1."""
+    p, v, m = layout.pipeline_ranks, layout.stages_per_rank, layout.microbatches
+    schedule = layout.parallel.pp_schedule
+    if p == 1:
+        return 1
+    if schedule in ("GPipe", "LoopedBFS"):
+        return m
+    if schedule == "Interleaved1F1B":
+        chunks = (v - 1) * p + 2 * (p - pp_rank - 1) + 1
+    elif schedule == "InterleavedZeroBubble":
+        chunks = (v - 1) * p + (p - pp_rank - 1) + 1
+    elif schedule == "ZBVZeroBubble":
+        chunks = 2 * p
+    elif schedule == "DualPipeV":
+        chunks = 2 * p + 1
+    else:
+        return min(p - pp_rank, m)
+    return min(chunks, m * v) / v
+
+
+@dataclass(frozen=True)
+class StateElements:
+    """Elements a rank holds of each kind of model state, and its parameter tensors."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    tensors: int
+    unsharded: int
+    """Parameters before ZeRO/FSDP sharding (after tp, ep and pp)."""
+
+
+def state_elements(layout: Layout, tensors: list[ParameterTensor], shard_index: int = 0) -> StateElements:
+    parallel, zero = layout.parallel, layout.parallel.zero
+
+    def local(sharded: bool) -> int:
+        return sum(local_elements(tensor, parallel, sharded, shard_index) for tensor in tensors)
+
+    return StateElements(local(zero >= 3), local(zero >= 2), local(zero >= 1), len(tensors), local(False))
+
+
+def model_state_terms(layout: Layout, elements: StateElements) -> list[Term]:
+    zero, n = layout.parallel.zero, layout.parallel.sharding_ranks
+    shard = lambda stage: f"/N (N={n})" if zero >= stage and n > 1 else ""  # noqa: E731
+    if layout.keeps_fp32_master_parameters:
+        parameter_bytes, gradient_bytes, optimizer_bytes = 4, 4, 8
+        optimizer_what = "AdamW moments m, v in fp32"
+    else:
+        parameter_bytes, gradient_bytes, optimizer_bytes = 2, 2, 12
+        optimizer_what = "fp32 master copy + AdamW moments m, v"
+    terms = [
+        Term(
+            "parameters",
+            parameter_bytes * elements.parameters,
+            f"{parameter_bytes} B × Φ{shard(3)} = {parameter_bytes} × {count(elements.parameters)}",
+        ),
+        Term(
+            "gradients",
+            gradient_bytes * elements.gradients,
+            f"{gradient_bytes} B × Φ{shard(2)} = {gradient_bytes} × {count(elements.gradients)}",
+        ),
+    ]
+    optimizer = optimizer_bytes * elements.optimizer + 4 * elements.tensors
+    formula = (
+        f"{optimizer_bytes} B × Φ{shard(1)} ({optimizer_what}) + 4 B × {elements.tensors} step counts"
+        f" = {optimizer_bytes} × {count(elements.optimizer)} + {4 * elements.tensors}"
+    )
+    if layout.config.optimizer.offload:
+        terms.append(Term("optimizer states", 0, f"offloaded to CPU memory: {count(optimizer)} B there"))
+    else:
+        terms.append(Term("optimizer states", optimizer, formula))
+    return terms
+
+
+def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[Term]:
+    """Working copies of parameters and gradients that communication and mixed precision need."""
+    parallel, c = layout.parallel, layout.compute_bytes
+    rank_layers = sum(
+        len(stage_layers(layout.model, layout.total_stages, stage)) for stage in stages_of_rank(parallel, pp_rank)
+    )
+    terms = []
+    if parallel.zero == 3 and parallel.sharding_ranks > 1:
+        per_layer = elements.unsharded / max(rank_layers, 1)
+        reduce_bytes = c + (4 if c != 4 else 0)
+        if parallel.reshard_after_forward:
+            terms.append(
+                Term(
+                    "FSDP gathered parameters",
+                    2 * c * per_layer,
+                    f"2 blocks (current + prefetched) × {c} B × {count(round(per_layer))} parameters",
+                )
+            )
+        else:
+            terms.append(
+                Term(
+                    "FSDP gathered parameters",
+                    c * elements.unsharded,
+                    f"every block stays gathered from forward to backward: {c} B × {count(elements.unsharded)}",
+                )
+            )
+        terms.append(
+            Term(
+                "FSDP unsharded gradients",
+                reduce_bytes * per_layer,
+                f"one block's gradients before reduce-scatter: {reduce_bytes} B × {count(round(per_layer))}",
+            )
+        )
+    elif parallel.zero == 0 and parallel.data_parallel > 1:
+        terms.append(
+            Term(
+                "DDP gradient buckets",
+                4 * elements.unsharded,
+                f"buckets hold a copy of every gradient: 4 B × {count(elements.unsharded)}",
+            )
+        )
+    if parallel.zero in (0, 3) and c == 2 and not (parallel.zero == 3 and parallel.sharding_ranks > 1):
+        terms.append(
+            Term(
+                "bf16 weight copies (autocast)",
+                2 * elements.unsharded,
+                f"kept from forward to backward: 2 B × {count(elements.unsharded)}",
+            )
+        )
+    return terms
+
+
+def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
+    """Kept activations of every layer the rank holds, times the microbatches in flight, plus the
+    last stage's logits."""
+    model, parallel = layout.model, layout.parallel
+    shape = Shape.of(model, layout.local_seq, layout.micro_seqs)
+    tensors = loom_layer(shape, model, layout.activation_bytes, layout.matmul_input_bytes, model.seq_len)
+    recompute, tp, sp = layout.config.compute.recompute, parallel.tp, parallel.sequence_parallel and parallel.tp > 1
+    stages = stages_of_rank(parallel, pp_rank)
+    layers = sum(len(stage_layers(model, layout.total_stages, stage)) for stage in stages)
+    held = in_flight_microbatches(layout, pp_rank)
+    per_layer = layer_bytes(tensors, recompute, tp, sp)
+    mode = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}[recompute]
+    parts = " + ".join(f"{t.symbol}·{t.bytes_per_element:g}B" for t in kept(tensors, recompute))
+    terms = [
+        Term(
+            "activations",
+            per_layer * layers * held,
+            f"{count(layers)} layers × {count(held)} microbatches in flight × {count(round(per_layer))} B/layer"
+            f" ({mode}, s={shape.s}, b={shape.b}, h={shape.h}, t={tp}{', SP' if sp else ''}: {parts})",
+        )
+    ]
+    if layout.total_stages - 1 in stages:
+        terms.append(logits_term(layout, held))
+    return terms
+
+
+def logits_term(layout: Layout, held: float) -> Term:
+    model, s, b, e = layout.model, layout.local_seq, layout.micro_seqs, layout.activation_bytes
+    if layout.fused_loss:
+        rows_vocab = s * b * model.dim
+        return Term(
+            "logits and cross-entropy",
+            (e + 4) * rows_vocab,
+            f"chunked: one chunk of logits ≈ the hidden states, (e + 4 B fp32) × s·b·h = {e + 4} × {count(rows_vocab)}",
+        )
+    logits = s * b * model.vocab / layout.parallel.tp
+    kept_bytes, transient = 4 * logits * held, (e + 4) * logits
+    return Term(
+        "logits and cross-entropy",
+        kept_bytes + transient,
+        f"fp32 log-probabilities kept per microbatch in flight (4 B × s·b·V/t × {count(held)}) + logits "
+        f"and their fp32 gradient ({e + 4} B × s·b·V/t), s·b·V/t = {count(logits)}",
+    )
+
+
+def pipeline_buffer_term(layout: Layout) -> list[Term]:
+    if layout.pipeline_ranks == 1:
+        return []
+    parallel = layout.parallel
+    split = parallel.tp if parallel.sequence_parallel and parallel.tp > 1 else 1
+    message = layout.local_seq * layout.micro_seqs * layout.model.dim / split * layout.activation_bytes
+    buffers = 2 * layout.stages_per_rank
+    return [
+        Term(
+            "pipeline send/receive buffers",
+            buffers * message,
+            f"{buffers} (activation in, gradient in per stage) × s·b·h/{split} × {layout.activation_bytes} B",
+        )
+    ]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    pp_rank: int
+    stages: list[int]
+    terms: list[Term]
+
+    @property
+    def allocated_bytes(self) -> float:
+        """What torch.cuda.max_memory_allocated would show at the peak."""
+        return total(self.terms)
+
+    @property
+    def device_bytes(self) -> float:
+        """What the GPU must have: the peak with the allocator's margin and the CUDA context."""
+        return self.allocated_bytes * (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES
+
+    def to_json(self) -> dict:
+        return {
+            "pp_rank": self.pp_rank,
+            "stages": self.stages,
+            "allocated_bytes": self.allocated_bytes,
+            "device_bytes": self.device_bytes,
+            "terms": [term.to_json() for term in self.terms],
+        }
+
+
+def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
+    elements = state_elements(layout, rank_tensors(layout.model, layout.parallel, pp_rank))
+    terms = model_state_terms(layout, elements)
+    terms += buffer_terms(layout, pp_rank, elements)
+    terms += activation_terms(layout, pp_rank)
+    terms += pipeline_buffer_term(layout)
+    return RankMemory(pp_rank, stages_of_rank(layout.parallel, pp_rank), terms)
+
+
+def memory_per_rank(layout: Layout) -> list[RankMemory]:
+    return [rank_memory(layout, pp_rank) for pp_rank in range(layout.pipeline_ranks)]
+
+
+def rank_coordinates(parallel, rank: int) -> dict[str, int]:
+    """A global rank's place in the mesh: tp innermost, then cp, dp_shard, dp_replicate, pp."""
+    coordinates = {}
+    for dim in ("tp", "cp", "dp_shard", "dp_replicate", "pp"):
+        size = getattr(parallel, dim)
+        coordinates[dim] = rank % size
+        rank //= size
+    return coordinates
+
+
+def state_bytes_of_rank(layout: Layout, rank: int) -> dict[str, int]:
+    """The model-state bytes one global rank holds, as the trainer reports them after its first
+    step (parameter_bytes, gradient_bytes, optimizer_bytes): FSDP's uneven chunks included."""
+    where = rank_coordinates(layout.parallel, rank)
+    shard_index = where["dp_shard"] * layout.parallel.cp + where["cp"]
+    elements = state_elements(layout, rank_tensors(layout.model, layout.parallel, where["pp"]), shard_index)
+    terms = {term.name: int(term.value) for term in model_state_terms(layout, elements)}
+    return {
+        "parameter_bytes": terms["parameters"],
+        "gradient_bytes": terms["gradients"],
+        "optimizer_bytes": terms["optimizer states"],
+    }

@@ -1,0 +1,96 @@
+"""The predicted rank × rank traffic matrix of one training step, in the same shape as the one the
+trainer measures (trainer/traffic.py): every rank's collectives from the communication model, placed
+on the layout's groups (tp innermost, then cp, dp_shard, dp_replicate, pp) and turned into bytes per
+destination by the same ring rules the recorder uses."""
+
+from __future__ import annotations
+
+import itertools
+
+from trainer.config import ParallelConfig, RunConfig
+from trainer.plan.communication import step_traffic
+from trainer.plan.hardware import ClusterSpec
+from trainer.plan.layout import Layout
+from trainer.plan.memory import rank_coordinates, state_elements
+from trainer.plan.parameters import rank_tensors, stage_layers, stages_of_rank
+from trainer.traffic import CommOp, TrafficMatrix, TrafficRow, traffic_matrix
+
+MAX_RANKS = 1024
+PLACEMENT = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+# The mesh dims each group of trainer.plan.communication.groups() spans.
+GROUP_DIMS = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp_shard": ("dp_shard", "cp"),
+    "dp_replicate": ("dp_replicate",),
+    "dp": ("dp_replicate", "dp_shard"),
+    "pp": ("pp",),
+    "ep": ("dp_shard", "cp"),
+}
+
+
+def global_rank(parallel: ParallelConfig, coordinates: dict[str, int]) -> int:
+    rank = 0
+    for dim in reversed(PLACEMENT):
+        rank = rank * getattr(parallel, dim) + coordinates[dim]
+    return rank
+
+
+def group_members(parallel: ParallelConfig, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
+    """The ranks that share every coordinate with `rank` except `dims`, in rank order (which is the
+    order of the trainer's mesh groups)."""
+    where = rank_coordinates(parallel, rank)
+    ranges = [range(getattr(parallel, dim)) for dim in dims]
+    members = [
+        global_rank(parallel, where | dict(zip(dims, values, strict=True))) for values in itertools.product(*ranges)
+    ]
+    return tuple(sorted(members))
+
+
+def pipeline_sends(layout: Layout, rank: int, message_bytes: float) -> list[CommOp]:
+    """Each held stage sends its activations to the next stage's rank and its input gradients to
+    the previous stage's rank, once per microbatch."""
+    parallel = layout.parallel
+    where = rank_coordinates(parallel, rank)
+    holder = {stage: pp_rank for pp_rank in range(parallel.pp) for stage in stages_of_rank(parallel, pp_rank)}
+    sends = []
+    for stage in stages_of_rank(parallel, where["pp"]):
+        for neighbour in (stage + 1, stage - 1):
+            if 0 <= neighbour < layout.total_stages and holder[neighbour] != where["pp"]:
+                peer = global_rank(parallel, where | {"pp": holder[neighbour]})
+                group = group_members(parallel, rank, ("pp",))
+                sends.append(CommOp("send", group, round(message_bytes * layout.microbatches), peer))
+    return sends
+
+
+def predicted_rows(config: RunConfig, cluster: ClusterSpec | None = None) -> list[dict]:
+    """One `comm` payload per rank for one step, as the trainer's recorder would send it."""
+    layout, parallel = Layout(config), config.parallel
+    world = parallel.world_size
+    if world > MAX_RANKS:
+        raise ValueError(f"the predicted matrix covers up to {MAX_RANKS} ranks; this layout has {world}")
+    cluster = cluster or ClusterSpec(nodes=1, gpus_per_node=max(world, 1))
+    by_pp_rank = {}
+    for pp_rank in range(parallel.pp):
+        stages = stages_of_rank(parallel, pp_rank)
+        layers = sum(len(stage_layers(layout.model, layout.total_stages, stage)) for stage in stages)
+        elements = state_elements(layout, rank_tensors(layout.model, parallel, pp_rank)).unsharded
+        by_pp_rank[pp_rank] = step_traffic(
+            layout, cluster, elements, layers, 0 in stages, layout.total_stages - 1 in stages
+        )
+    rows = []
+    for rank in range(world):
+        row = TrafficRow(rank, world)
+        for item in by_pp_rank[rank_coordinates(parallel, rank)["pp"]]:
+            if item.kind == "pp":
+                for op in pipeline_sends(layout, rank, item.buffer_bytes):
+                    row.add(op, "pp")
+                continue
+            group = group_members(parallel, rank, GROUP_DIMS[item.dim])
+            row.add(CommOp(item.op, group, round(item.buffer_bytes * item.calls)), item.kind)
+        rows.append(row.payload(1, 1, 0.0))
+    return rows
+
+
+def predicted_matrix(config: RunConfig, cluster: ClusterSpec | None = None) -> TrafficMatrix:
+    return traffic_matrix(predicted_rows(config, cluster))
