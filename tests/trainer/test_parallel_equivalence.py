@@ -16,13 +16,13 @@ STEPS = 4
 GLOBAL_BATCH = 8
 
 
-def layout(micro_batch_divisor: int = 1, recompute: str = "none", **parallel) -> dict:
+def layout(micro_batch_divisor: int = 1, recompute: str = "none", compile: bool = False, **parallel) -> dict:
     """A tiny fp32 run whose global batch is GLOBAL_BATCH whatever the data-parallel degree."""
     return {
         "steps": STEPS,
         "model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 32},
         "parallel": parallel,
-        "compute": {"precision": "fp32", "recompute": recompute},
+        "compute": {"precision": "fp32", "recompute": recompute, "compile": compile},
         "optimizer": {"lr": 3e-3, "warmup_steps": 1},
         "data": {"micro_batch": GLOBAL_BATCH // micro_batch_divisor, "corpus_bytes": 200_000},
         "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60},
@@ -46,6 +46,7 @@ LAYOUTS = {
     "pp2xdp2xtp2": layout(2, pp=2, dp_shard=2, tp=2, microbatches=2),
     "fsdp2_full_recompute": layout(2, dp_shard=2, recompute="full"),
     "tp2_selective_recompute": layout(tp=2, recompute="selective"),
+    "fsdp2_compiled_blocks": layout(2, dp_shard=2, compile=True),
     "cp2": layout(cp=2),
     "cp2xdp2": layout(2, cp=2, dp_replicate=2),
 }
