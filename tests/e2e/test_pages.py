@@ -208,6 +208,10 @@ def test_valid_form_creates_the_run_and_opens_its_page(logged_in, ada):
         "ffn": 172,
         "vocab": 256,
         "seq_len": 64,
+        "mlp": "swiglu",
+        "tie_embeddings": False,
+        "experts": 1,
+        "top_k": 1,
     }
     assert run.config["parallel"]["dp_replicate"] == 2
     assert run.config["optimizer"]["lr"] == 0.003 and run.config["optimizer"]["warmup_steps"] == 2

@@ -1,0 +1,106 @@
+"""`python -m trainer.plan` as a user runs it: estimate, search and export, and bad input refused
+with exit status 2 and the field named."""
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LAYOUT = {
+    "model": {"preset": "llama3-70b"},
+    "parallel": {"tp": 8, "pp": 4, "pp_schedule": "Interleaved1F1B", "stages_per_rank": 2, "microbatches": 8,
+                 "dp_shard": 2},
+    "data": {"micro_batch": 256},
+    "compute": {"recompute": "selective"},
+}
+
+
+def plan(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.plan", *arguments], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture
+def layout_file(tmp_path) -> Path:
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps(LAYOUT))
+    return path
+
+
+def test_estimate_prints_memory_time_throughput_communication_and_warnings(layout_file):
+    answer = plan("estimate", str(layout_file), "--gpu", "H100-SXM", "--nodes", "8", "--gpus-per-node", "8")
+    assert answer.returncode == 0, answer.stderr
+    out = answer.stdout
+    for heading in ("Memory per GPU, GiB", "pp rank 3", "activations", "Step time", "pipeline bubble",
+                    "tokens/s", "MFU", "Communication per kind", "Warnings", "does not fit"):
+        assert heading in out, heading
+
+
+def test_estimate_json_is_the_estimate_without_its_timeline(layout_file, tmp_path):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"gpu": "H100-SXM", "nodes": 2}))
+    answer = plan("estimate", str(layout_file), "--cluster", str(cluster), "--nodes", "8", "--json")
+    assert answer.returncode == 0, answer.stderr
+    document = json.loads(answer.stdout)
+    assert document["timeline"] is None
+    assert document["cluster"]["nodes"] == 8
+    assert document["layout"]["world_size"] == 64
+    assert {"memory", "time", "tokens_per_s", "mfu", "comm", "warnings"} <= set(document)
+
+
+def test_search_json_lists_fitting_layouts_and_the_frontier():
+    answer = plan("search", "--model", "llama3-70b", "--gpu", "H100-SXM", "--nodes", "8", "--global-batch", "512",
+                  "--limit", "5", "--json")
+    assert answer.returncode == 0, answer.stderr
+    document = json.loads(answer.stdout)
+    assert len(document["results"]) == 5 and document["pareto"]
+    assert all(entry["config"]["parallel"]["tp"] >= 1 for entry in document["results"])
+    assert document["fitting"] > 0
+
+
+def test_search_prints_tables_and_takes_a_model_file(tmp_path):
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"model": {"preset": "llama3-8b", "layers": 8}}))
+    answer = plan("search", "--model", str(model), "--nodes", "1", "--global-batch", "16", "--limit", "3")
+    assert answer.returncode == 0, answer.stderr
+    assert "Fastest layouts that fit" in answer.stdout and "Pareto frontier" in answer.stdout
+    assert "layouts evaluated" in answer.stdout
+
+
+def test_export_prints_a_torchtitan_job_and_megatron_arguments(layout_file):
+    toml = plan("export", str(layout_file), "--format", "torchtitan")
+    assert toml.returncode == 0, toml.stderr
+    assert tomllib.loads(toml.stdout)["parallelism"]["pipeline_parallel_degree"] == 4
+    arguments = plan("export", str(layout_file), "--format", "megatron")
+    assert arguments.returncode == 0, arguments.stderr
+    assert "--pipeline-model-parallel-size=4 \\" in arguments.stdout.splitlines()
+
+
+def test_invalid_input_exits_2_naming_each_field(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"model": {"preset": "llama3-70b"}, "parallel": {"tp": 3}}))
+    answer = plan("estimate", str(broken), "--nodes", "0")
+    assert answer.returncode == 2
+    fields = {line.split(":", 1)[0] for line in answer.stderr.splitlines()}
+    assert {"parallel.tp", "cluster.nodes"} <= fields
+    assert answer.stdout == ""
+
+
+def test_an_export_without_equivalent_exits_2(tmp_path):
+    gpipe = tmp_path / "gpipe.json"
+    gpipe.write_text(json.dumps({"model": {"preset": "llama3-70b"}, "data": {"micro_batch": 8},
+                                 "parallel": {"pp": 4, "pp_schedule": "GPipe", "microbatches": 8}}))
+    answer = plan("export", str(gpipe), "--format", "megatron")
+    assert answer.returncode == 2
+    assert answer.stderr.startswith("parallel.pp_schedule: Megatron-LM runs 1F1B and interleaved 1F1B only")
+
+
+def test_a_missing_file_and_a_bad_search_exit_2(tmp_path):
+    missing = plan("estimate", str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and missing.stderr.startswith("config: cannot read")
+    search = plan("search", "--model", "llama3-70b", "--global-batch", "0")
+    assert search.returncode == 2 and search.stderr.startswith("global_batch:")

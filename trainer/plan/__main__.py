@@ -1,0 +1,245 @@
+"""The planner from a shell: estimate a layout, search for the best ones, export one to another trainer.
+
+    python -m trainer.plan estimate CONFIG.json [--cluster CLUSTER.json | --gpu H100-SXM --nodes 8 --gpus-per-node 8]
+                                    [--json]
+    python -m trainer.plan search --model llama3-70b|MODEL.json --gpu H100-SXM --nodes 8 --global-batch 512
+                                  [--seq-len N] [--precision bf16] [--limit 10] [--json]
+    python -m trainer.plan export CONFIG.json --format torchtitan|megatron
+
+CONFIG.json is a run-config document (a model preset allowed: {"model": {"preset": "llama3-70b"}});
+MODEL.json a model section, or a run config whose model section is used. Cluster flags override the
+fields of --cluster. --json prints `Estimate.to_json(timeline=False)` or `SearchResult.to_json()`.
+Invalid input exits with status 2 and one "field: message" line per error on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trainer.config import ConfigError, parse_config
+from trainer.plan.estimate import Estimate, estimate
+from trainer.plan.export import to_megatron_args, to_torchtitan_toml
+from trainer.plan.hardware import GIB, GPU_TYPES
+from trainer.plan.presets import MODEL_PRESETS, with_preset
+from trainer.plan.search import Found, SearchResult, search
+
+INVALID = 2
+MAX_RANK_COLUMNS = 8
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parser().parse_args(argv)
+    try:
+        output = arguments.run(arguments)
+    except ConfigError as error:
+        for field, message in error.errors.items():
+            print(f"{field}: {message}", file=sys.stderr)
+        return INVALID
+    print(output)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="python -m trainer.plan", description=__doc__.splitlines()[0])
+    commands = root.add_subparsers(required=True, metavar="COMMAND")
+
+    estimating = commands.add_parser("estimate", help="memory, step time and throughput of one layout")
+    estimating.add_argument("config", metavar="CONFIG.json", help="run-config document")
+    add_cluster_arguments(estimating)
+    estimating.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    estimating.set_defaults(run=run_estimate)
+
+    searching = commands.add_parser("search", help="the fastest layouts that fit, and the memory/speed frontier")
+    searching.add_argument("--model", required=True, metavar="PRESET|MODEL.json",
+                           help=f"a preset ({', '.join(MODEL_PRESETS)}) or a JSON model section")
+    add_cluster_arguments(searching)
+    searching.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    searching.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    searching.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp32"))
+    searching.add_argument("--limit", type=int, default=10, help="how many of the fastest layouts to list")
+    searching.add_argument("--json", action="store_true", help="print the search result as JSON")
+    searching.set_defaults(run=run_search)
+
+    exporting = commands.add_parser("export", help="the layout as a torchtitan job or Megatron-LM arguments")
+    exporting.add_argument("config", metavar="CONFIG.json", help="run-config document")
+    exporting.add_argument("--format", required=True, choices=("torchtitan", "megatron"))
+    exporting.set_defaults(run=run_export)
+    return root
+
+
+def add_cluster_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--cluster", metavar="CLUSTER.json", help="cluster description (gpu, nodes, gpus_per_node, …)")
+    command.add_argument("--gpu", help=f"GPU type: {', '.join(GPU_TYPES)}")
+    command.add_argument("--nodes", type=int, help="nodes in the cluster")
+    command.add_argument("--gpus-per-node", type=int, help="GPUs per node")
+
+
+def read_json(path: str, field: str) -> object:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ConfigError({field: f"cannot read {path}: {error.strerror}"}) from None
+    except json.JSONDecodeError as error:
+        raise ConfigError({field: f"{path} is not JSON: {error}"}) from None
+
+
+def cluster_of(arguments: argparse.Namespace) -> dict:
+    cluster = read_json(arguments.cluster, "cluster") if arguments.cluster else {}
+    if not isinstance(cluster, dict):
+        raise ConfigError({"cluster": "must be a JSON object"})
+    flags = {"gpu": arguments.gpu, "nodes": arguments.nodes, "gpus_per_node": arguments.gpus_per_node}
+    return {**cluster, **{name: value for name, value in flags.items() if value is not None}}
+
+
+def model_of(argument: str) -> object:
+    if argument in MODEL_PRESETS:
+        return {"preset": argument}
+    document = read_json(argument, "model")
+    if isinstance(document, dict) and isinstance(document.get("model"), dict):
+        return document["model"]
+    return document
+
+
+# ---- estimate ----
+
+
+def run_estimate(arguments: argparse.Namespace) -> str:
+    result = estimate(read_json(arguments.config, "config"), cluster_of(arguments), timeline=False)
+    if arguments.json:
+        return json.dumps(result.to_json(timeline=False), indent=2)
+    return describe_estimate(result)
+
+
+def describe_estimate(result: Estimate) -> str:
+    layout, cluster = result.layout, result.cluster
+    parallel = layout.parallel
+    header = (f"{parallel.world_size} of {cluster.world_size} × {cluster.gpu} ({cluster.nodes} node(s) × "
+              f"{cluster.gpus_per_node}); tp {parallel.tp}, cp {parallel.cp}, pp {parallel.pp} "
+              f"({parallel.pp_schedule if parallel.pp > 1 else 'no pipeline'}), dp_replicate "
+              f"{parallel.dp_replicate} × dp_shard {parallel.dp_shard}, ZeRO-{parallel.zero}, recompute "
+              f"{layout.config.compute.recompute}, {layout.precision}; {layout.global_batch} sequences × "
+              f"{layout.model.seq_len} tokens a step")
+    return "\n\n".join([header, memory_table(result), time_table(result), throughput_lines(result),
+                        comm_table(result), warning_lines(result)])
+
+
+def memory_table(result: Estimate) -> str:
+    """Memory terms per pipeline rank in GiB (with many ranks: the first, the fullest and the last)."""
+    ranks = result.memory
+    if len(ranks) > MAX_RANK_COLUMNS:
+        shown = sorted({0, result.peak.pp_rank, len(ranks) - 1})
+        ranks = [ranks[index] for index in shown]
+    names = list(dict.fromkeys(term.name for rank in ranks for term in rank.terms))
+    rows = [[name] + [gib(next((t.value for t in rank.terms if t.name == name), None)) for rank in ranks]
+            for name in names]
+    rows.append(["allocated"] + [gib(rank.allocated_bytes) for rank in ranks])
+    rows.append(["device (allocator margin, CUDA context)"] + [gib(rank.device_bytes) for rank in ranks])
+    capacity = result.cluster.gpu_type.memory_bytes
+    verdict = "fits" if result.fits else f"does NOT fit (pipeline rank {result.peak.pp_rank})"
+    title = f"Memory per GPU, GiB — capacity {capacity / GIB:.0f} GiB: {verdict}"
+    return title + "\n" + table(["term"] + [f"pp rank {rank.pp_rank}" for rank in ranks], rows)
+
+
+def time_table(result: Estimate) -> str:
+    rows = [[term.name, f"{term.value:,.3f}"] for term in result.time_terms]
+    rows.append(["step", f"{result.step_s:,.3f}"])
+    return "Step time\n" + table(["part", "seconds"], rows)
+
+
+def throughput_lines(result: Estimate) -> str:
+    return (f"Throughput: {result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}, "
+            f"pipeline bubble {result.bubble_fraction:.1%} of compute")
+
+
+def comm_table(result: Estimate) -> str:
+    rows = [[kind, f"{entry['sent_bytes'] / GIB:,.2f}", f"{entry['time_s']:,.3f}", f"{entry['exposed_s']:,.3f}"]
+            for kind, entry in result.comm_by_kind().items()]
+    if not rows:
+        return "Communication: none"
+    header = ["kind", "sent GiB", "time s", "exposed s"]
+    return "Communication per kind (busiest pipeline rank)\n" + table(header, rows)
+
+
+def warning_lines(result: Estimate) -> str:
+    if not result.warnings:
+        return "Warnings: none"
+    return "Warnings\n" + "\n".join(f"  {item['field']}: {item['message']}" for item in result.warnings)
+
+
+# ---- search ----
+
+
+def run_search(arguments: argparse.Namespace) -> str:
+    result = search(model_of(arguments.model), cluster_of(arguments), arguments.global_batch,
+                    seq_len=arguments.seq_len, precision=arguments.precision, limit=arguments.limit)
+    if arguments.json:
+        return json.dumps(result.to_json(), indent=2)
+    return describe_search(result)
+
+
+def describe_search(result: SearchResult) -> str:
+    counts = (f"{result.evaluated:,} layouts evaluated, {result.valid:,} valid, {result.fitting:,} fit, "
+              f"{result.timed:,} timed exactly, in {result.seconds:.2f} s")
+    if result.message:
+        return f"{counts}\n{result.message}"
+    places = {id(found): place for place, found in enumerate(result.results, start=1)}
+    fastest = [search_row(str(place), found) for place, found in enumerate(result.results, start=1)]
+    front = [search_row(str(places.get(id(found), "")), found) for found in result.pareto]
+    return "\n\n".join([
+        counts,
+        "Fastest layouts that fit\n" + table(SEARCH_COLUMNS, fastest),
+        "Pareto frontier: less memory costs speed\n" + table(SEARCH_COLUMNS, front),
+        "runnable: whether loom's trainer runs the layout today (it plans ZeRO-1/2, fp8 and MoE only)",
+    ])
+
+
+SEARCH_COLUMNS = ["rank", "layout", "tokens/s", "MFU", "step s", "peak GiB", "bubble", "runnable"]
+
+
+def search_row(rank: str, found: Found) -> list[str]:
+    return [rank, found.summary, f"{found.tokens_per_s:,.0f}", f"{found.mfu:.1%}", f"{found.step_s:.3f}",
+            f"{found.peak_bytes / GIB:.1f}", f"{found.bubble_fraction:.1%}",
+            "yes" if found.runnable else "no"]
+
+
+# ---- export ----
+
+
+def run_export(arguments: argparse.Namespace) -> str:
+    document = read_json(arguments.config, "config")
+    config = parse_config(with_preset(document) if isinstance(document, dict) else document, runnable=False)
+    if arguments.format == "torchtitan":
+        return to_torchtitan_toml(config).rstrip("\n")
+    return " \\\n".join(to_megatron_args(config))
+
+
+# ---- text tables ----
+
+
+def gib(value: float | None) -> str:
+    return "" if value is None else f"{value / GIB:,.2f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """Columns of numbers right-aligned, the others left-aligned."""
+    columns = range(len(header))
+    widths = [max(len(row[column]) for row in [header, *rows]) for column in columns]
+    numeric = [all(is_number(row[column]) for row in rows) for column in columns]
+
+    def line(cells: list[str]) -> str:
+        return "  " + "  ".join(cell.rjust(widths[column]) if numeric[column] else cell.ljust(widths[column])
+                                for column, cell in enumerate(cells)).rstrip()
+
+    return "\n".join(line(row) for row in [header, *rows])
+
+
+def is_number(cell: str) -> bool:
+    """"1,234.5", "37.5%", "" (a term a rank does not have)."""
+    return not cell or cell.replace(",", "").replace(".", "", 1).rstrip("%").isdigit()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

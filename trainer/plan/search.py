@@ -1,0 +1,820 @@
+"""Layout search: every layout of a model on a cluster that the run-config rules accept, the
+fastest of those that fit in memory, and the Pareto frontier of peak memory against tokens/s.
+
+    search({"preset": "llama3-70b"}, {"gpu": "H100-SXM", "nodes": 8}, global_batch=512)
+
+What is searched. Every layout that uses all the cluster's GPUs (or `gpus` of them) and splits the
+global batch evenly over its data-parallel ranks (data.micro_batch = global_batch / (dp_replicate ×
+dp_shard)): tp from the divisors of the GPU count up to a node's GPUs (tensor parallelism across
+nodes is legal but never the fast choice), sequence parallel on whenever tp > 1, cp, pp with every
+schedule and stages_per_rank, microbatches (and so the micro-batch size) when pp > 1, every
+dp_replicate × dp_shard split (DDP, FSDP, HSDP), ZeRO stage 0–3, reshard_after_forward on and off
+under ZeRO-3, ep for mixture-of-experts models, and recompute none / selective / full. Validity is
+trainer/config.py's: each section's field rules and `cross_section_errors`; every layout returned
+is validated whole by `parse_config(runnable=False)` once more.
+
+Every figure returned is the one `estimate()` gives the returned config (timeline=False, the
+closed-form bubble). The estimate walks every tensor of every layer, milliseconds a layout, and Llama-3
+405B on 16,384 GPUs has about 200,000 valid layouts; the search prices them from parts computed
+with the planner's own functions once and shared by every layout that agrees on what the part reads:
+
+- model states per pipeline rank (`state_elements`, `model_state_terms`, `buffer_terms`): per kind
+  of tensor, what each rank holds, tp, ep, ZeRO stage, sharding ranks and resharding;
+- activations per pipeline rank (`activation_terms`, `pipeline_buffer_term`) for one sequence, times
+  the micro-batch size: per tp, cp, recompute mode, layers held, loss or not, microbatches in flight;
+- FLOPs per pipeline rank (`stages_compute`) for one sequence on one tp rank, times the tokens each
+  tp rank holds;
+- communication (`step_traffic`, `data_parallel_traffic`, `expose`): the pipeline's part per layout
+  without its data-parallel split, the data-parallel part per split without the schedule.
+
+And it prunes with properties of the cost model, each checked against the estimate in
+tests/plan/test_search.py. Memory never grows with more recompute or with more microbatches of the
+same batch, so the leanest microbatch count and recompute mode a data-parallel choice does not fit
+in ends that choice's line. The step time is bounded from below before it is computed: by the
+busiest rank's compute and in-layer communication at the placement's fewest microbatches (more
+microbatches never make tensor-, context- or expert-parallel communication shrink), then with the
+exposed data-parallel communication, then exactly. Layouts are taken best bound first and a bound
+is tightened only while its layout could still matter: exact times come out fastest first, so the
+first `limit` are the results, and after them a layout with no less memory than one already out
+can be neither in the results nor on the frontier, and is dropped at its current bound.
+
+JSON (`SearchResult.to_json()`):
+
+    {"evaluated": layouts checked against the rules,
+     "valid": those the rules accept,
+     "fitting": those that also fit in GPU memory,
+     "timed": fitting layouts whose step time was computed (the others provably do not matter),
+     "seconds": wall-clock time of the search,
+     "message": null, or why nothing was found,
+     "results": [entry, ...]   the `limit` fastest by tokens/s, fastest first,
+     "pareto": [entry, ...]    no other fitting layout has less memory and more tokens/s; by memory}
+
+    entry = {"rank": place in "results" (1 = fastest), or null for a frontier point outside them,
+             "config": the full run-config document, defaults filled in (what "Launch" sends),
+             "summary": "tp8 pp4 Interleaved1F1B×2 m8 dp_shard2 selective",
+             "runnable": whether loom's trainer runs it today (ZeRO-1/2, fp8 and MoE it only plans),
+             "tokens_per_s", "mfu", "step_s", "peak_bytes" (device bytes of the fullest GPU),
+             "bubble_fraction"}
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field, fields
+from operator import add
+from typing import Any, NamedTuple
+
+from pydantic import ValidationError
+
+from trainer.config import (
+    ONE_STAGE_SCHEDULES,
+    PIPELINE_SCHEDULES,
+    V_SCHEDULES,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    cross_section_errors,
+    divisors,
+    parse_config,
+    unrunnable_errors,
+)
+from trainer.plan.communication import collective_time, data_parallel_traffic, expose, groups, step_traffic
+from trainer.plan.compute import RankCompute, model_flops_per_token, stages_compute
+from trainer.plan.estimate import OPTIMIZER_BYTES_PER_PARAMETER, RankTime, parse_plan
+from trainer.plan.hardware import GIB, ClusterSpec
+from trainer.plan.layout import Layout
+from trainer.plan.memory import (
+    ALLOCATOR_MARGIN,
+    CONTEXT_BYTES,
+    StateElements,
+    activation_terms,
+    buffer_terms,
+    in_flight_microbatches,
+    model_state_terms,
+    pipeline_buffer_term,
+    state_elements,
+)
+from trainer.plan.parameters import ParameterTensor, rank_tensors, stage_layers, stages_of_rank
+from trainer.plan.schedule import closed_form_bubble
+from trainer.plan.terms import total
+
+# Leanest first: memory only grows along this order, so the first mode that fits nowhere ends it.
+RECOMPUTE_LEANEST_FIRST = ("full", "selective", "none")
+ZERO_STAGES = (0, 1, 2, 3)
+IN_LAYER_KINDS = ("tp", "cp", "ep")
+# How exact a bound on a layout's step time is, loosest first (Pricer.time_what_matters).
+FEWEST_MICROBATCHES_BOUND, DATA_PARALLEL_BOUND, EXACT = range(3)
+
+
+class PipelineChoice(NamedTuple):
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+
+
+class DataChoice(NamedTuple):
+    dp_replicate: int
+    dp_shard: int
+    zero_stage: int
+    ep: int
+    reshard_after_forward: bool
+
+
+class Candidate(NamedTuple):
+    """One layout: the choice made along each axis."""
+
+    tp: int
+    cp: int
+    pp: int
+    pipeline: PipelineChoice
+    data: DataChoice
+    recompute: str
+    micro_batch: int
+    """Sequences per data-parallel rank per step (data.micro_batch)."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A layout the search returns, priced as `estimate()` prices its config."""
+
+    candidate: Candidate
+    config: RunConfig
+    tokens_per_s: float
+    mfu: float
+    step_s: float
+    peak_bytes: float
+    bubble_fraction: float
+
+    @property
+    def summary(self) -> str:
+        return summarize(self.candidate)
+
+    @property
+    def runnable(self) -> bool:
+        """Whether loom's trainer runs the layout today (it only plans ZeRO-1/2, fp8, MoE, …)."""
+        return not unrunnable_errors(self.config)
+
+    def to_json(self, rank: int | None) -> dict:
+        return {
+            "rank": rank,
+            "config": self.config.model_dump(mode="json"),
+            "summary": self.summary,
+            "runnable": self.runnable,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "step_s": self.step_s,
+            "peak_bytes": self.peak_bytes,
+            "bubble_fraction": self.bubble_fraction,
+        }
+
+
+@dataclass
+class SearchResult:
+    evaluated: int
+    valid: int
+    fitting: int
+    timed: int
+    seconds: float
+    results: list[Found]
+    pareto: list[Found]
+    message: str | None = None
+
+    def to_json(self) -> dict:
+        places = {id(found): place for place, found in enumerate(self.results, start=1)}
+        return {
+            "evaluated": self.evaluated,
+            "valid": self.valid,
+            "fitting": self.fitting,
+            "timed": self.timed,
+            "seconds": self.seconds,
+            "message": self.message,
+            "results": [found.to_json(places[id(found)]) for found in self.results],
+            "pareto": [found.to_json(places.get(id(found))) for found in self.pareto],
+        }
+
+
+def summarize(candidate: Candidate) -> str:
+    """"tp8 pp4 Interleaved1F1B×2 m8 dp_shard2 selective": tp, then every choice that is not the default."""
+    parts = [f"tp{candidate.tp}"]
+    if candidate.cp > 1:
+        parts.append(f"cp{candidate.cp}")
+    if candidate.pp > 1:
+        pipeline = candidate.pipeline
+        looped = f"×{pipeline.stages_per_rank}" if pipeline.stages_per_rank > 1 else ""
+        parts += [f"pp{candidate.pp}", f"{pipeline.schedule}{looped}", f"m{pipeline.microbatches}"]
+    data = candidate.data
+    for name, size in (("dp_replicate", data.dp_replicate), ("dp_shard", data.dp_shard), ("ep", data.ep)):
+        if size > 1:
+            parts.append(f"{name}{size}")
+    if data.zero_stage in (1, 2):
+        parts.append(f"zero{data.zero_stage}")
+    if data.zero_stage == 3 and not data.reshard_after_forward:
+        parts.append("no-reshard")
+    if candidate.recompute != "none":
+        parts.append(candidate.recompute)
+    return " ".join(parts)
+
+
+def search(
+    model: dict,
+    cluster: dict | None,
+    global_batch: int,
+    *,
+    seq_len: int | None = None,
+    precision: str = "bf16",
+    limit: int = 20,
+    gpus: int | None = None,
+) -> SearchResult:
+    """The `limit` fastest layouts of `model` (a run config's model section, a preset allowed) that
+    fit on `cluster` at `global_batch` sequences a step, and the memory/throughput Pareto frontier.
+
+    Raises ConfigError keyed by field ("global_batch", "model.layers", "cluster.nodes", …)."""
+    started = time.perf_counter()
+    space = SearchSpace.parse(model, cluster, global_batch, seq_len, precision, limit, gpus)
+    pricer = Pricer(space)
+    timed = pricer.time_what_matters(pricer.price_memory())
+    front = frontier(timed)
+    found = {candidate: pricer.found(peak, candidate) for peak, _, candidate in timed[: space.limit] + front}
+    return SearchResult(
+        evaluated=pricer.evaluated,
+        valid=pricer.valid,
+        fitting=pricer.fitting,
+        timed=len(pricer.timed),
+        seconds=time.perf_counter() - started,
+        results=[found[candidate] for _, _, candidate in timed[: space.limit]],
+        pareto=[found[candidate] for _, _, candidate in front],
+        message=None if timed else pricer.why_nothing_fits(),
+    )
+
+
+def frontier(timed: list[tuple[float, float, Candidate]]) -> list[tuple[float, float, Candidate]]:
+    """The (peak bytes, step seconds, layout) that no other beats on both counts, by memory."""
+    front: list[tuple[float, float, Candidate]] = []
+    for peak, step_s, candidate in sorted(timed, key=lambda item: item[:2]):
+        if not front or step_s < front[-1][1]:
+            front.append((peak, step_s, candidate))
+    return front
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass
+class SearchSpace:
+    """The validated inputs, and the choices along each axis that trainer/config.py accepts.
+
+    Each rule in `cross_section_errors` reads, besides the model, the tensor and context fields
+    (tp, sequence_parallel, cp), the data-parallel ones (cp, dp_replicate, dp_shard, zero_stage,
+    ep) or the pipeline ones (pp, schedule, stages_per_rank, microbatches, micro_batch): a layout
+    is valid when its three parts are, so each part is checked once, on the validated base config
+    with only that part changed. `Pricer.found` validates each returned layout whole, so a rule
+    that comes to read across parts is noticed rather than missed."""
+
+    base: RunConfig
+    cluster: ClusterSpec
+    gpus: int
+    global_batch: int
+    limit: int
+    _accepted: dict = field(default_factory=dict)
+    _data_choices: dict = field(default_factory=dict)
+    _pipeline_choices: dict = field(default_factory=dict)
+    _sections: dict = field(default_factory=dict)
+    _data_sections: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, model: object, cluster: object, global_batch: object, seq_len: object, precision: object,
+              limit: object, gpus: object) -> SearchSpace:
+        """The search's inputs validated, every bad one named at once in a ConfigError."""
+        errors: dict[str, str] = {}
+        if not _is_count(global_batch):
+            errors["global_batch"] = "must be a whole number of sequences, at least 1"
+        if not _is_count(limit):
+            errors["limit"] = "must be a whole number of layouts, at least 1"
+        if seq_len is not None and not _is_count(seq_len):
+            errors["seq_len"] = "must be a whole number of tokens, at least 1, or null for the model's own"
+        if not isinstance(model, dict):
+            errors["model"] = 'must be a JSON object: a preset ({"preset": "llama3-70b"}) or the model\'s fields'
+            model = {}
+        if seq_len is not None and "seq_len" not in errors:
+            model = {**model, "seq_len": seq_len}
+        base = cluster_spec = None
+        try:
+            base, cluster_spec = parse_plan({"model": model, "compute": {"precision": precision}}, cluster)
+        except ConfigError as error:
+            errors |= {("precision" if key == "compute.precision" else key): message
+                       for key, message in error.errors.items()}
+        if cluster_spec is not None and gpus is not None and not (_is_count(gpus) and gpus <= cluster_spec.world_size):
+            errors["gpus"] = f"must be a whole number from 1 to the cluster's {cluster_spec.world_size}; null: all"
+        if errors:
+            raise ConfigError(errors)
+        return cls(base, cluster_spec, gpus or cluster_spec.world_size, global_batch, limit)
+
+    def _accepts(self, parallel: dict, micro_batch: int = 1) -> bool:
+        """Whether the base config with this parallel section and micro-batch passes the field
+        rules of those sections and every cross-section rule (the rest was validated once)."""
+        key = (tuple(parallel.items()), micro_batch)
+        if key not in self._accepted:
+            try:
+                sections = {"parallel": ParallelConfig.model_validate(parallel),
+                            "data": self._data_section(micro_batch)}
+            except ValidationError:
+                self._accepted[key] = False
+            else:
+                self._accepted[key] = not cross_section_errors(self.base.model_copy(update=sections))
+        return self._accepted[key]
+
+    def _data_section(self, micro_batch: int) -> DataConfig:
+        if micro_batch not in self._data_sections:
+            self._data_sections[micro_batch] = DataConfig.model_validate(
+                {**self.base.data.model_dump(), "micro_batch": micro_batch})
+        return self._data_sections[micro_batch]
+
+    def layouts_of_world(self):
+        """(tp, cp, pp, dp, micro_batch) that use every GPU and split the global batch evenly."""
+        for tp in divisors(self.gpus):
+            if tp > self.cluster.gpus_per_node:
+                continue
+            for cp in divisors(self.gpus // tp):
+                for pp in divisors(self.gpus // (tp * cp)):
+                    dp = self.gpus // (tp * cp * pp)
+                    if self.global_batch % dp == 0:
+                        yield tp, cp, pp, dp, self.global_batch // dp
+
+    def data_choices(self, tp: int, cp: int, dp: int) -> tuple[int, list[DataChoice]]:
+        """(how many were tried, the valid ones) over dp data-parallel ranks, for tp × cp."""
+        key = (tp, cp, dp)
+        if key not in self._data_choices:
+            expert_degrees = divisors(self.base.model.experts)
+            tried = [
+                DataChoice(dp // shard, shard, zero, ep, reshard)
+                for shard in divisors(dp)
+                for zero in ZERO_STAGES
+                for reshard in ((True, False) if zero == 3 else (True,))
+                for ep in expert_degrees
+            ]
+            tensor_valid = self._accepts({"tp": tp, "sequence_parallel": tp > 1, "cp": cp})
+            valid = [choice for choice in tried if tensor_valid and self._accepts({"cp": cp, **choice._asdict()})]
+            self._data_choices[key] = (len(tried), valid)
+        return self._data_choices[key]
+
+    def pipeline_choices(self, pp: int, micro_batch: int) -> tuple[int, dict[tuple[str, int], list[int]]]:
+        """(how many were tried, {(schedule, stages_per_rank): valid microbatch counts, most first})."""
+        key = (pp, micro_batch)
+        if key not in self._pipeline_choices:
+            tried = list(self._pipeline_candidates(pp, micro_batch))
+            valid: dict[tuple[str, int], list[int]] = {}
+            for choice in sorted(tried, key=lambda choice: -choice.microbatches):
+                if self._pipeline_valid(pp, micro_batch, choice):
+                    valid.setdefault(choice[:2], []).append(choice.microbatches)
+            self._pipeline_choices[key] = (len(tried), valid)
+        return self._pipeline_choices[key]
+
+    def _pipeline_candidates(self, pp: int, micro_batch: int):
+        if pp == 1:
+            yield PipelineChoice("1F1B", 1, 1)
+            return
+        layers_per_rank = max(self.base.model.layers // pp, 1)
+        counts = divisors(micro_batch)
+        for schedule in PIPELINE_SCHEDULES:
+            if schedule in ONE_STAGE_SCHEDULES:
+                looping = [1]
+            elif schedule in V_SCHEDULES:
+                looping = [2]
+            else:
+                looping = [v for v in divisors(layers_per_rank) if 2 <= v <= 64]
+            for stages_per_rank in looping:
+                for microbatches in counts:
+                    yield PipelineChoice(schedule, stages_per_rank, microbatches)
+
+    def _pipeline_valid(self, pp: int, micro_batch: int, choice: PipelineChoice) -> bool:
+        return self._accepts({"pp": pp, "pp_schedule": choice.schedule, "stages_per_rank": choice.stages_per_rank,
+                              "microbatches": choice.microbatches}, micro_batch)
+
+    def config(self, candidate: Candidate) -> RunConfig:
+        """The candidate as a run config, built from the validated base without validating again."""
+        pipeline = candidate.pipeline
+        parallel = self.base.parallel.model_copy(update={
+            "tp": candidate.tp, "sequence_parallel": candidate.tp > 1, "cp": candidate.cp, "pp": candidate.pp,
+            "pp_schedule": pipeline.schedule, "stages_per_rank": pipeline.stages_per_rank,
+            "microbatches": pipeline.microbatches, **candidate.data._asdict()})
+        sections = (candidate.micro_batch, candidate.recompute)
+        if sections not in self._sections:
+            self._sections[sections] = {
+                "data": self.base.data.model_copy(update={"micro_batch": candidate.micro_batch}),
+                "compute": self.base.compute.model_copy(update={"recompute": candidate.recompute}),
+            }
+        return self.base.model_copy(update={"parallel": parallel, **self._sections[sections]})
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What one pipeline rank holds under a stage placement, identical tensors counted once."""
+
+    stages: list[int]
+    layers: int
+    holds_embedding: bool
+    holds_output: bool
+    tensor_groups: list[tuple[ParameterTensor, int]]
+
+    @property
+    def signature(self) -> tuple[int, bool, bool]:
+        """Ranks that agree on it hold the same tensors and compute, send and keep the same
+        (their microbatches in flight aside)."""
+        return self.layers, self.holds_embedding, self.holds_output
+
+
+def rank_shape(model: ModelConfig, parallel: ParallelConfig, rank: int) -> RankShape:
+    """What pipeline rank `rank` holds, its tensors grouped by kind (shape and how tp and ep cut them)."""
+    stages = stages_of_rank(parallel, rank)
+    total_stages = parallel.pp * parallel.stages_per_rank
+    groups: dict[tuple, list] = {}
+    for tensor in rank_tensors(model, parallel, rank):
+        groups.setdefault((tensor.shape, tensor.tp_dim, tensor.expert), [tensor, 0])[1] += 1
+    return RankShape(
+        stages=stages,
+        layers=sum(len(stage_layers(model, total_stages, stage)) for stage in stages),
+        holds_embedding=0 in stages,
+        holds_output=total_stages - 1 in stages,
+        tensor_groups=[(tensor, copies) for tensor, copies in groups.values()],
+    )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What each pipeline rank holds under one schedule and stage count."""
+
+    shapes: list[RankShape]
+    signatures: tuple
+    """Every rank's signature, in rank order."""
+    distinct: list[int]
+    """One rank of each signature: all that time needs, as ranks alike take as long."""
+
+
+class Pricer:
+    """Memory and step time of layouts, from parts shared between layouts (see the module docstring).
+
+    Each cache is keyed by what the planner function it wraps reads of the layout."""
+
+    def __init__(self, space: SearchSpace):
+        self.space = space
+        self.cluster = space.cluster
+        self.capacity = space.cluster.gpu_type.memory_bytes
+        self.tokens_per_step = space.global_batch * space.base.model.seq_len
+        self.model_flops_per_step = model_flops_per_token(space.base.model) * self.tokens_per_step
+        self.evaluated = self.valid = self.fitting = 0
+        self.leanest: tuple[float, Candidate] | None = None
+        self.timed: dict[Candidate, tuple[float, float]] = {}
+        self._placements: dict = {}
+        self._tensor_elements: dict = {}
+        self._rank_elements: dict = {}
+        self._states: dict = {}
+        self._data_states_of: dict = {}
+        self._held: dict = {}
+        self._activations: dict = {}
+        self._buffers: dict = {}
+        self._unit_compute: dict = {}
+        self._bubbles: dict = {}
+        self._groups: dict = {}
+        self._data_parallel_traffic: dict = {}
+        self._data_parallel_of: dict = {}
+        self._fewest_microbatches_busy: dict = {}
+        self._pipeline_s: dict = {}
+
+    def _layout(self, candidate: Candidate) -> Layout:
+        return Layout(self.space.config(candidate))
+
+    # ---- structure ----
+
+    def _placement(self, candidate: Candidate) -> Placement:
+        pipeline = candidate.pipeline
+        key = (candidate.pp, pipeline.stages_per_rank, pipeline.schedule in V_SCHEDULES)
+        if key not in self._placements:
+            parallel = self.space.config(candidate).parallel
+            shapes = [rank_shape(self.space.base.model, parallel, rank) for rank in range(candidate.pp)]
+            first_of_signature: dict[tuple, int] = {}
+            for rank, shape in enumerate(shapes):
+                first_of_signature.setdefault(shape.signature, rank)
+            self._placements[key] = Placement(shapes, tuple(shape.signature for shape in shapes),
+                                              list(first_of_signature.values()))
+        return self._placements[key]
+
+    def _rank_shape(self, candidate: Candidate, rank: int) -> RankShape:
+        return self._placement(candidate).shapes[rank]
+
+    # ---- memory ----
+
+    def price_memory(self) -> list[tuple[float, float, Candidate]]:
+        """(peak device bytes, a lower bound on the step time, layout) of every fitting layout."""
+        fitting: list[tuple[float, float, Candidate]] = []
+        modes = len(RECOMPUTE_LEANEST_FIRST)
+        for tp, cp, pp, dp, micro_batch in self.space.layouts_of_world():
+            data_tried, data = self.space.data_choices(tp, cp, dp)
+            pipeline_tried, pipelines = self.space.pipeline_choices(pp, micro_batch)
+            self.evaluated += data_tried * pipeline_tried * modes
+            self.valid += len(data) * sum(len(counts) for counts in pipelines.values()) * modes
+            if not data:
+                continue
+            for (schedule, stages_per_rank), counts in pipelines.items():
+                leanest = Candidate(tp, cp, pp, PipelineChoice(schedule, stages_per_rank, counts[0]), data[0],
+                                    RECOMPUTE_LEANEST_FIRST[0], micro_batch)
+                fitting += self._price_placement(leanest, counts, data)
+        self.fitting = len(fitting)
+        return fitting
+
+    def _price_placement(self, leanest: Candidate, counts: list[int], data: list[DataChoice]):
+        """Every recompute mode and microbatch count of one stage placement, leanest first. A data
+        choice that does not fit is dropped for the rest of its line, which needs more memory: the
+        fewer microbatches of its recompute mode, and every less lean mode."""
+        states = self._data_states(leanest, data)
+        found = []
+        for recompute in RECOMPUTE_LEANEST_FIRST:
+            line = states
+            for index, microbatches in enumerate(counts):
+                candidate = leanest._replace(recompute=recompute,
+                                             pipeline=leanest.pipeline._replace(microbatches=microbatches))
+                fits, line = self._fitting_data_choices(candidate, line)
+                if index == 0:
+                    states = line
+                if not fits:
+                    break
+                found += fits
+            if not states:
+                break
+        return found
+
+    def _fitting_data_choices(self, candidate: Candidate, states) -> tuple[list[tuple[float, float, Candidate]], list]:
+        """(peak bytes, lower bound on the step time, layout) for each data choice that fits, and
+        the states of those choices."""
+        activations = self._activation_bytes(candidate)
+        stretch = 1 + self._bubble(candidate)
+        tp, cp, pp, pipeline, _, recompute, micro_batch = candidate
+        busiest_by_ep: dict[int, float] = {}
+        fits, kept, leanest = [], [], None
+        for state in states:
+            choice, state_bytes, optimizer_s = state
+            peak = device_bytes(max(map(add, state_bytes, activations)))
+            if peak <= self.capacity:
+                layout = Candidate(tp, cp, pp, pipeline, choice, recompute, micro_batch)
+                if choice.ep not in busiest_by_ep:
+                    busiest_by_ep[choice.ep] = self._fewest_microbatches_busy_s(layout)
+                fits.append((peak, busiest_by_ep[choice.ep] * stretch + optimizer_s, layout))
+                kept.append(state)
+            elif leanest is None or peak < leanest[0]:
+                leanest = (peak, choice)
+        if not fits and leanest and (self.leanest is None or leanest[0] < self.leanest[0]):
+            self.leanest = (leanest[0], candidate._replace(data=leanest[1]))
+        return fits, kept
+
+    def _data_states(self, candidate: Candidate, data: list[DataChoice]) -> list[tuple[DataChoice, list[float], float]]:
+        """(choice, model-state bytes per pipeline rank, optimizer seconds) for each data choice."""
+        key = (candidate.tp, candidate.cp, candidate.pp, self._placement(candidate).signatures, tuple(data))
+        if key not in self._data_states_of:
+            self._data_states_of[key] = [(choice, *self._states_of(candidate, choice)) for choice in data]
+        return self._data_states_of[key]
+
+    def _states_of(self, candidate: Candidate, choice: DataChoice) -> tuple[list[float], float]:
+        """`model_state_terms` + `buffer_terms` per pipeline rank, and `optimizer_term`'s seconds, of
+        the candidate with this data choice."""
+        key = (self._placement(candidate).signatures, candidate.tp, choice.ep, choice.zero_stage,
+               choice.dp_shard * candidate.cp, choice.reshard_after_forward, choice.dp_replicate * choice.dp_shard > 1)
+        if key not in self._states:
+            candidate = candidate._replace(data=choice)
+            layout = self._layout(candidate)
+            by_signature = {}
+            for rank in self._placement(candidate).distinct:
+                elements = self._elements_of(candidate, rank)
+                state_bytes = total(model_state_terms(layout, elements) + buffer_terms(layout, rank, elements))
+                by_signature[self._rank_shape(candidate, rank).signature] = (state_bytes, elements.optimizer)
+            optimizer_s = (max(optimizer for _, optimizer in by_signature.values()) * OPTIMIZER_BYTES_PER_PARAMETER
+                           / self.cluster.gpu_type.memory_bandwidth)
+            state_bytes = [by_signature[signature][0] for signature in self._placement(candidate).signatures]
+            self._states[key] = (state_bytes, optimizer_s)
+        return self._states[key]
+
+    def _elements_of(self, candidate: Candidate, rank: int) -> StateElements:
+        """`state_elements` of the rank's tensors: a sum over tensors, each kind priced once."""
+        data = candidate.data
+        sharding = (candidate.tp, data.ep, data.dp_shard * candidate.cp, data.zero_stage)
+        key = (self._rank_shape(candidate, rank).signature, sharding)
+        if key not in self._rank_elements:
+            sums = dict.fromkeys((each.name for each in fields(StateElements)), 0)
+            for tensor, copies in self._rank_shape(candidate, rank).tensor_groups:
+                kind = (tensor.shape, tensor.tp_dim, tensor.expert, sharding)
+                if kind not in self._tensor_elements:
+                    self._tensor_elements[kind] = state_elements(self._layout(candidate), [tensor])
+                for name in sums:
+                    sums[name] += copies * getattr(self._tensor_elements[kind], name)
+            self._rank_elements[key] = StateElements(**sums)
+        return self._rank_elements[key]
+
+    def _activation_bytes(self, candidate: Candidate) -> list[float]:
+        """`activation_terms` + `pipeline_buffer_term` per pipeline rank: a microbatch keeps b times
+        what one sequence keeps, and a rank's activations depend on it only through its layers,
+        whether it computes the loss and its microbatches in flight."""
+        tp, cp, pp, pipeline, _, recompute, micro_batch = candidate
+        one_sequence = None
+        buffers_key = (pp, tp, cp, pipeline.stages_per_rank)
+        if buffers_key not in self._buffers:
+            one_sequence = self._layout(candidate._replace(micro_batch=pipeline.microbatches))
+            self._buffers[buffers_key] = total(pipeline_buffer_term(one_sequence))
+        buffers = self._buffers[buffers_key]
+        same = (tp, cp, recompute, tp == pp == 1)
+        per_rank = []
+        for rank, held in enumerate(self._held_by_rank(candidate)):
+            key = same + held
+            if key not in self._activations:
+                one_sequence = one_sequence or self._layout(candidate._replace(micro_batch=pipeline.microbatches))
+                self._activations[key] = total(activation_terms(one_sequence, rank))
+            per_rank.append(self._activations[key] + buffers)
+        micro_seqs = micro_batch // pipeline.microbatches
+        return [micro_seqs * each for each in per_rank]
+
+    def _held_by_rank(self, candidate: Candidate) -> list[tuple[int, bool, float]]:
+        """(layers, computes the loss, microbatches in flight) of each pipeline rank."""
+        key = (candidate.pp, candidate.pipeline)
+        if key not in self._held:
+            layout = self._layout(candidate)
+            self._held[key] = [(shape.layers, shape.holds_output, in_flight_microbatches(layout, rank))
+                               for rank, shape in enumerate(self._placement(candidate).shapes)]
+        return self._held[key]
+
+    # ---- time ----
+
+    def _rank_compute(self, candidate: Candidate, rank: int) -> RankCompute:
+        """`rank_compute`: one sequence on one tp rank without cp, computed once per placement and
+        recompute mode, times the tokens each tp rank of the candidate holds per microbatch."""
+        single_stage = candidate.pp * candidate.pipeline.stages_per_rank == 1
+        key = (self._rank_shape(candidate, rank).signature, single_stage, candidate.recompute)
+        if key not in self._unit_compute:
+            unit = candidate._replace(tp=1, cp=1, micro_batch=1, pipeline=candidate.pipeline._replace(microbatches=1))
+            stages = self._rank_shape(candidate, rank).stages
+            self._unit_compute[key] = stages_compute(self._layout(unit), self.cluster, stages)
+        unit = self._unit_compute[key]
+        scale = candidate.micro_batch // candidate.pipeline.microbatches / (candidate.cp * candidate.tp)
+        return RankCompute(unit.forward_flops * scale, unit.backward_flops * scale, unit.recompute_flops * scale,
+                           unit.model_flops * scale, unit.seconds_per_flop)
+
+    def _bubble(self, candidate: Candidate) -> float:
+        if candidate.pp == 1:
+            return 0.0
+        key = (candidate.pp, candidate.pipeline)
+        if key not in self._bubbles:
+            pipeline = candidate.pipeline
+            self._bubbles[key] = closed_form_bubble(pipeline.schedule, candidate.pp, pipeline.microbatches,
+                                                    pipeline.stages_per_rank)
+        return self._bubbles[key]
+
+    def _rank_times(self, layout: Layout, candidate: Candidate) -> list[RankTime]:
+        """`rank_time` of one pipeline rank of each signature."""
+        ranks = []
+        for rank in self._placement(candidate).distinct:
+            shape = self._rank_shape(candidate, rank)
+            compute = self._rank_compute(candidate, rank)
+            traffic = step_traffic(layout, self.cluster, self._elements_of(candidate, rank).unsharded, shape.layers,
+                                   shape.holds_embedding, shape.holds_output)
+            expose(traffic, compute.forward_s, compute.backward_s, shape.layers, candidate.pp)
+            ranks.append(RankTime(rank, compute, traffic))
+        return ranks
+
+    @staticmethod
+    def _busiest_s(candidate: Candidate, ranks: list[RankTime]) -> float:
+        microbatches = candidate.pipeline.microbatches
+        return max(microbatches * rank.compute.total_s + rank.exposed(IN_LAYER_KINDS) for rank in ranks)
+
+    def _fewest_microbatches_busy_s(self, candidate: Candidate) -> float:
+        """The busiest rank's compute and in-layer communication at the placement's fewest
+        microbatches: no more microbatches of the same batch make either shrink (the same FLOPs,
+        more collectives of the same bytes), so it bounds every microbatch count's from below.
+        Schedules whose ranks hold the same share it."""
+        tp, cp, pp, pipeline, data, recompute, micro_batch = candidate
+        line = (tp, cp, pp, pipeline.schedule, pipeline.stages_per_rank, recompute, micro_batch, data.ep)
+        if line not in self._fewest_microbatches_busy:
+            _, pipelines = self.space.pipeline_choices(pp, micro_batch)
+            fewest = candidate._replace(pipeline=pipeline._replace(microbatches=pipelines[pipeline[:2]][-1]))
+            shared = (tp, cp, pp, recompute, micro_batch, fewest.pipeline.microbatches, data.ep,
+                      self._placement(fewest).signatures)
+            if shared not in self._fewest_microbatches_busy:
+                ranks = self._rank_times(self._layout(fewest), fewest)
+                self._fewest_microbatches_busy[shared] = self._busiest_s(fewest, ranks)
+            self._fewest_microbatches_busy[line] = self._fewest_microbatches_busy[shared]
+        return self._fewest_microbatches_busy[line]
+
+    @staticmethod
+    def _pipeline_key(candidate: Candidate) -> tuple:
+        """The pipeline's part of the step depends on everything but the data-parallel split and
+        ZeRO stage (ep, which sizes the expert all-to-alls, stays)."""
+        tp, cp, pp, pipeline, data, recompute, micro_batch = candidate
+        return tp, cp, pp, pipeline, recompute, micro_batch, data.ep
+
+    def _pipeline_part_s(self, candidate: Candidate) -> float:
+        """The busiest rank's compute and in-layer communication stretched by the bubble, plus the
+        exposed pipeline sends: the same for every data-parallel split (with the same ep)."""
+        key = self._pipeline_key(candidate)
+        if key not in self._pipeline_s:
+            ranks = self._rank_times(self._layout(candidate), candidate)
+            self._pipeline_s[key] = (self._busiest_s(candidate, ranks) * (1 + self._bubble(candidate))
+                                     + max(rank.exposed(("pp",)) for rank in ranks))
+        return self._pipeline_s[key]
+
+    def _data_parallel_s(self, candidate: Candidate) -> float:
+        """The exposed data-parallel communication of the rank that exposes most. It depends on the
+        stage placement only through what the ranks hold, which many schedules share."""
+        tp, cp, pp, pipeline, data, recompute, micro_batch = candidate
+        key = (tp, cp, pp, pipeline.microbatches, data, recompute, micro_batch, self._placement(candidate).signatures)
+        if key not in self._data_parallel_of:
+            self._data_parallel_of[key] = max(self._data_parallel_exposed_s(candidate, rank)
+                                              for rank in self._placement(candidate).distinct)
+        return self._data_parallel_of[key]
+
+    def _data_parallel_exposed_s(self, candidate: Candidate, rank: int) -> float:
+        """The rank's exposed data-parallel communication as `step_traffic` and `expose` time it.
+        The traffic does not depend on the recompute mode; what of it compute hides does."""
+        shape = self._rank_shape(candidate, rank)
+        key = (candidate.tp, candidate.cp, candidate.pp, candidate.pipeline.microbatches, candidate.data,
+               shape.signature)
+        if key not in self._data_parallel_traffic:
+            layout = self._layout(candidate)
+            parallel = layout.parallel
+            groups_key = (parallel.tp, parallel.cp, parallel.dp_shard, parallel.dp_replicate, parallel.pp, parallel.ep)
+            if groups_key not in self._groups:
+                self._groups[groups_key] = groups(layout)
+            traffic = data_parallel_traffic(layout, self._groups[groups_key], self.cluster.gpus_per_node,
+                                            self._elements_of(candidate, rank).unsharded, layout.compute_bytes)
+            for item in traffic:
+                item.time_s = item.calls * collective_time(item.op, item.group_size, item.buffer_bytes, self.cluster,
+                                                           item.inter_node)
+            self._data_parallel_traffic[key] = traffic
+        traffic = self._data_parallel_traffic[key]
+        compute = self._rank_compute(candidate, rank)
+        expose(traffic, compute.forward_s, compute.backward_s, shape.layers, candidate.pp)
+        return sum(item.exposed_s for item in traffic)
+
+    def _tighter_bound(self, candidate: Candidate, bound_s: float, exactness: int) -> tuple[float, int]:
+        """The next lower bound on the step time after `bound_s` of this exactness. The step time
+        adds up as `estimate_layout(timeline=False)` adds it: the pipeline's part, exposed
+        data-parallel communication and the optimizer step. The data-parallel part is cheap and is
+        added to the first bound; the pipeline's part is dear unless a layout that shares it was
+        timed, and comes last."""
+        data_parallel_s = self._data_parallel_s(candidate)
+        if exactness == FEWEST_MICROBATCHES_BOUND and self._pipeline_key(candidate) not in self._pipeline_s:
+            return bound_s + data_parallel_s, DATA_PARALLEL_BOUND
+        step_s = self._pipeline_part_s(candidate) + data_parallel_s + self._states_of(candidate, candidate.data)[1]
+        self.timed[candidate] = (step_s, self._bubble(candidate))
+        return step_s, EXACT
+
+    def time_what_matters(self, fitting: list[tuple[float, float, Candidate]]) -> list[tuple[float, float, Candidate]]:
+        """(peak bytes, step seconds, layout) of the fitting layouts that are among the `limit`
+        fastest or on the frontier (and a few more), fastest first, each timed exactly.
+
+        Best first: the layout with the least bound on its step time is taken from the queue, its
+        bound tightened and the layout put back, until the bound taken is exact. Layouts leave the
+        queue fastest first, so one that leaves after `limit` others, with no less memory than one of
+        them, is beaten on both counts and is dropped before any more of its time is computed."""
+        queue = [(bound, order, peak, candidate, FEWEST_MICROBATCHES_BOUND)
+                 for order, (peak, bound, candidate) in enumerate(fitting)]
+        heapq.heapify(queue)
+        fastest: list[tuple[float, float, Candidate]] = []
+        least_memory = float("inf")
+        while queue:
+            step_s, order, peak, candidate, exactness = heapq.heappop(queue)
+            if len(fastest) >= self.space.limit and peak >= least_memory:
+                continue
+            if exactness == EXACT:
+                fastest.append((peak, step_s, candidate))
+                least_memory = min(least_memory, peak)
+            else:
+                bound, exactness = self._tighter_bound(candidate, step_s, exactness)
+                heapq.heappush(queue, (bound, order, peak, candidate, exactness))
+        return fastest
+
+    def found(self, peak: float, candidate: Candidate) -> Found:
+        """The timed layout with its config, validated whole as a launch would validate it: the
+        per-part checks must agree."""
+        step_s, bubble = self.timed[candidate]
+        try:
+            config = parse_config(self.space.config(candidate).model_dump(mode="json"), runnable=False)
+        except ConfigError as error:
+            raise RuntimeError(f"the search produced a layout the rules refuse ({summarize(candidate)}): {error}; "
+                               "SearchSpace's per-part checks no longer match trainer/config.py") from None
+        peak_flops = self.space.gpus * self.cluster.gpu_type.peak_bf16_flops
+        return Found(candidate, config, self.tokens_per_step / step_s,
+                     self.model_flops_per_step / (step_s * peak_flops), step_s, peak, bubble)
+
+    def why_nothing_fits(self) -> str:
+        gpus = f"{self.space.gpus} × {self.cluster.gpu}"
+        if self.leanest is None:
+            return (f"no layout of {gpus} is valid at a global batch of {self.space.global_batch}: it must split "
+                    "evenly over the data-parallel ranks and the model's heads, layers and sequence over tp, pp and cp")
+        peak, candidate = self.leanest
+        return (f"none of the {self.valid:,} valid layouts of {gpus} fits in {self.capacity / GIB:.0f} GiB per GPU; "
+                f"the leanest ({summarize(candidate)}) needs {peak / GIB:.0f} GiB: use more GPUs, a smaller model "
+                "or a shorter sequence")
+
+
+def device_bytes(allocated: float) -> float:
+    """`RankMemory.device_bytes` of a rank whose terms add up to `allocated`."""
+    return allocated * (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES
