@@ -37,6 +37,11 @@
   const liveLog = document.getElementById("live-log");
   const loadCapturedButton = document.getElementById("load-captured");
   const capturedLogs = document.getElementById("captured-logs");
+  const estimateElement = document.getElementById("run-estimate");
+  // What the planner predicted when the run was created on a cluster; null without one.
+  const prediction = estimateElement ? JSON.parse(estimateElement.textContent) : null;
+  const MIB = 2 ** 20;
+  const GIB = 2 ** 30;
 
   let latestAttempt = page.attempt;
   const logLines = {};
@@ -80,6 +85,7 @@
       drawPoints(charts[metric], pointsByRank);
     }
     pendingPoints = emptyPending();
+    if (measuredDirty) drawMeasured();
     if (logDirty) {
       logDirty = false;
       const following = liveLog.scrollTop + liveLog.clientHeight >= liveLog.scrollHeight - 4;
@@ -127,7 +133,48 @@
       (run.points[metric][event.rank] ||= []).push(point);
       (pendingPoints[metric][event.rank] ||= []).push(point);
     }
+    if (prediction) measure(event.rank, event.payload);
     requestFrame();
+  }
+
+  // ---- predicted vs measured ----
+
+  // Peak memory is the highest any rank reported (the allocator's peak on GPUs, the peak resident
+  // set on CPUs); tokens/s is each rank's latest, averaged, times the data-parallel ranks, because
+  // ranks that share a batch (tp, cp, pp) each report that batch's throughput.
+  run.measured = { peakMemoryBytes: null, tokensPerSByRank: {}, tokensPerS: null };
+  let measuredDirty = false;
+
+  function measure(rank, payload) {
+    const peak = payload.memory_peak ?? payload.memory_peak_rss;
+    if (typeof peak === "number") run.measured.peakMemoryBytes = Math.max(run.measured.peakMemoryBytes ?? 0, peak);
+    const tokensPerS = Number(payload.tokens_per_s);
+    if (payload.tokens_per_s != null && Number.isFinite(tokensPerS)) run.measured.tokensPerSByRank[rank] = tokensPerS;
+    measuredDirty = true;
+  }
+
+  function showPrediction() {
+    document.getElementById("predicted-memory").textContent = formatBytes(prediction.memory.peak_bytes);
+    document.getElementById("predicted-tokens").textContent = wholeNumber(prediction.tokens_per_s);
+  }
+
+  function drawMeasured() {
+    measuredDirty = false;
+    const { peakMemoryBytes, tokensPerSByRank } = run.measured;
+    if (peakMemoryBytes !== null) document.getElementById("measured-memory").textContent = formatBytes(peakMemoryBytes);
+    const perRank = Object.values(tokensPerSByRank);
+    if (!perRank.length) return;
+    const meanPerRank = perRank.reduce((sum, value) => sum + value, 0) / perRank.length;
+    run.measured.tokensPerS = meanPerRank * prediction.data_parallel;
+    document.getElementById("measured-tokens").textContent = wholeNumber(run.measured.tokensPerS);
+  }
+
+  function formatBytes(bytes) {
+    return bytes >= GIB ? `${(bytes / GIB).toFixed(2)} GiB` : `${(bytes / MIB).toFixed(1)} MiB`;
+  }
+
+  function wholeNumber(value) {
+    return Math.round(value).toLocaleString("en-US");
   }
 
   function applyState(event) {
@@ -352,6 +399,7 @@
 
   async function start() {
     setUpCharts();
+    if (prediction) showPrediction();
     cancelButton.addEventListener("click", cancelRun);
     loadCapturedButton.addEventListener("click", loadCapturedLogs);
     rankSelect.addEventListener("change", showRank);

@@ -25,6 +25,7 @@ INSTALLED_APPS = [
     "loom.accounts",
     "loom.runs",
     "loom.telemetry",
+    "loom.planner",
 ]
 
 MIDDLEWARE = [

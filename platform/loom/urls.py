@@ -5,4 +5,5 @@ from loom.api.urls import api
 urlpatterns = [
     path("api/", api.urls),
     path("", include("loom.runs.page_urls")),
+    path("", include("loom.planner.page_urls")),
 ]

@@ -16,6 +16,8 @@ router = Router(tags=["runs"])
 class RunIn(Schema):
     name: str | None = None
     config: Any = None
+    # Given, the planner's estimate of the config on this cluster is stored with the run.
+    cluster: Any = None
 
 
 class AttemptOut(Schema):
@@ -39,6 +41,7 @@ class RunOut(Schema):
 
 class RunDetailOut(RunOut):
     config: dict
+    estimate: dict | None
     attempts: list[AttemptOut]
 
     @staticmethod
@@ -78,9 +81,10 @@ class LogTail(Schema):
 
 @router.post("/runs", response={201: RunDetailOut, 400: FieldErrors})
 def create_run(request, body: RunIn):
-    """Create a run from a name and a run-config document and queue its first attempt."""
+    """Create a run from a name and a run-config document and queue its first attempt; with a
+    cluster, the planner's estimate for it there is stored with the run."""
     try:
-        run = services.create_run(request.user, body.name, body.config)
+        run = services.create_run(request.user, body.name, body.config, body.cluster)
     except services.RunInputError as error:
         return Status(400, {"errors": error.errors})
     return Status(201, run)

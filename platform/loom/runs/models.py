@@ -10,6 +10,9 @@ class Run(models.Model):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="runs")
     name = models.CharField(max_length=200)
     config = models.JSONField()
+    # What the planner predicted for this config on the cluster it was created for; null when it
+    # was created without one.
+    estimate = models.JSONField(null=True, blank=True)
     state = models.CharField(max_length=20, choices=states.CHOICES, default=states.QUEUED)
     # The highest event seq handed out; events take seq numbers under a row lock on the run.
     last_seq = models.BigIntegerField(default=0)

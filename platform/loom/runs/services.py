@@ -4,6 +4,7 @@ from django.db import transaction
 from django.http import Http404
 from django.utils import timezone
 
+from loom.planner.services import estimate_for_run
 from trainer.config import ConfigError, parse_config
 
 from . import states
@@ -22,7 +23,9 @@ class RunConflict(ValueError):
     pass
 
 
-def validate_run_input(name, document) -> tuple[str, dict]:
+def validate_run_input(name, document, cluster=None) -> tuple[str, dict, dict | None]:
+    """The clean name, the config with defaults filled in, and, given a cluster, the planner's
+    estimate of the config on it (its errors keyed "cluster.…" like the config's "config.…")."""
     errors: dict[str, str] = {}
     if not isinstance(name, str) or not name.strip():
         errors["name"] = "is required"
@@ -33,19 +36,31 @@ def validate_run_input(name, document) -> tuple[str, dict]:
         config = parse_config(document)
     except ConfigError as error:
         errors.update({f"config.{field}": message for field, message in error.errors.items()})
+    clean_config = config.model_dump(mode="json") if config is not None else None
+    estimate = None
+    if clean_config is not None and cluster is not None:
+        try:
+            estimate = estimate_for_run(clean_config, cluster)
+        except ConfigError as error:
+            errors.update({estimate_error_key(field): message for field, message in error.errors.items()})
     if errors:
         raise RunInputError(errors)
-    return name.strip(), config.model_dump(mode="json")
+    return name.strip(), clean_config, estimate
 
 
-def create_run(owner, name, document) -> Run:
-    """Validate, store the run with its first attempt, and queue the launch once committed."""
+def estimate_error_key(field: str) -> str:
+    return field if field.startswith("cluster") else f"config.{field}"
+
+
+def create_run(owner, name, document, cluster=None) -> Run:
+    """Validate, store the run with its first attempt (and, given a cluster, its estimate on it),
+    and queue the launch once committed."""
     from loom.runs.tasks import launch_attempt
     from loom.telemetry.services import record_platform_event
 
-    clean_name, config = validate_run_input(name, document)
+    clean_name, config, estimate = validate_run_input(name, document, cluster)
     with transaction.atomic():
-        run = Run.objects.create(owner=owner, name=clean_name, config=config)
+        run = Run.objects.create(owner=owner, name=clean_name, config=config, estimate=estimate)
         attempt = Attempt.objects.create(run=run, number=1)
         record_platform_event(run, attempt, "state", {"state": states.QUEUED, "attempt": attempt.number})
         # robust: an unreachable broker must not turn a stored run into an error response.

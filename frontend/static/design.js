@@ -1,0 +1,618 @@
+"use strict";
+// The designer page. The form is one run-config document plus a cluster; every edit asks the
+// planner API for an estimate (debounced, and only the newest answer is drawn, since answers to
+// earlier edits can arrive later), then for the predicted traffic. Errors and warnings are shown
+// beside the field they name; what concerns the whole layout goes to the banner.
+
+(() => {
+  const page = JSON.parse(document.getElementById("design-page").textContent);
+
+  const ESTIMATE_DEBOUNCE_MS = 250;
+  const HEATMAP_MAX_RANKS = 1024;
+  const GIB = 2 ** 30;
+  const CLUSTER_PREFIX = "cluster.";
+  const RUN_CONFIG_PREFIX = "config.";
+  // Warnings about the layout as a whole rather than one input.
+  const BANNER_WARNING = /^(memory|cluster)(\.|$)/;
+  const OP_COLOURS = { F: "#3056d3", B: "#d9822b", "B+W": "#c6532b", W: "#23955a" };
+  const OP_NAMES = { F: "forward", B: "backward (input)", "B+W": "backward (input + weight)", W: "backward (weight)" };
+  const PLOT_CONFIG = { responsive: true, displaylogo: false };
+  const CAPACITY_COLOUR = "#c62f3b";
+
+  const design = { estimate: null, lastRequest: null, errors: {}, traffic: null, search: null };
+  window.loomDesign = design;
+
+  const form = document.getElementById("design-form");
+  const presetSelect = document.getElementById("design-preset");
+  const banner = document.getElementById("design-banner");
+  const status = document.getElementById("design-status");
+  const results = document.getElementById("design-results");
+  const presets = Object.fromEntries(page.catalog.presets.map((preset) => [preset.name, preset.model]));
+
+  // ---- the form as a document ----
+
+  function pathInputs() {
+    return [...form.querySelectorAll("[data-path]")];
+  }
+
+  function inputFor(path) {
+    return form.querySelector(`[data-path="${path}"]`);
+  }
+
+  // Numbers go as numbers and switches as booleans; anything that does not parse goes as typed,
+  // so the schema answers it with its own message. An empty optional select means null.
+  function jsonValue(input) {
+    const text = input.value.trim();
+    if (input.dataset.type === "bool") return text === "true";
+    if (input.dataset.type !== "number") return text;
+    if (text === "" && input.tagName === "SELECT") return null;
+    return numberOrText(text);
+  }
+
+  function numberOrText(text) {
+    const number = Number(text);
+    return text !== "" && Number.isFinite(number) ? number : text;
+  }
+
+  function formValue(value) {
+    return value === null || value === undefined ? "" : String(value);
+  }
+
+  function currentRequest() {
+    const request = { config: {}, cluster: {} };
+    for (const input of pathInputs()) {
+      const path = input.dataset.path;
+      const [target, key] = path.startsWith(CLUSTER_PREFIX)
+        ? [request.cluster, path.slice(CLUSTER_PREFIX.length)]
+        : [request.config, path];
+      setPath(target, key, jsonValue(input));
+    }
+    return request;
+  }
+
+  function setPath(target, path, value) {
+    const parts = path.split(".");
+    const last = parts.pop();
+    for (const part of parts) target = target[part] ||= {};
+    target[last] = value;
+  }
+
+  function getPath(source, path) {
+    return path.split(".").reduce((value, part) => value?.[part], source);
+  }
+
+  // Loads a run config (a search result) into the form; the cluster and the steps stay as they are.
+  function loadConfig(config) {
+    for (const input of pathInputs()) {
+      const path = input.dataset.path;
+      if (path.startsWith(CLUSTER_PREFIX) || path === "steps") continue;
+      const value = getPath(config, path);
+      if (value !== undefined) input.value = formValue(value);
+    }
+    presetSelect.value = matchingPreset();
+    scheduleEstimate();
+  }
+
+  function applyPreset() {
+    const model = presets[presetSelect.value];
+    if (!model) return;
+    for (const [field, value] of Object.entries(model)) {
+      const input = inputFor(`model.${field}`);
+      if (input) input.value = formValue(value);
+    }
+  }
+
+  // The preset whose fields the model inputs hold, or "" (custom).
+  function matchingPreset() {
+    const model = currentRequest().config.model;
+    const matches = ([, fields]) => Object.entries(fields).every(([field, value]) => model[field] === value);
+    const found = Object.entries(presets).find(matches);
+    return found ? found[0] : "";
+  }
+
+  // ---- estimating ----
+
+  let estimateTimer = null;
+  let newestEstimate = 0;
+
+  function scheduleEstimate() {
+    clearTimeout(estimateTimer);
+    estimateTimer = setTimeout(estimateNow, ESTIMATE_DEBOUNCE_MS);
+  }
+
+  async function estimateNow() {
+    const request = currentRequest();
+    const ticket = ++newestEstimate;
+    design.lastRequest = request;
+    showStatus("estimating…");
+    let answer;
+    try {
+      answer = await postJson(page.urls.estimate, request);
+    } catch (error) {
+      if (ticket === newestEstimate) showStatus(`estimate failed: ${error.message}`);
+      return;
+    }
+    if (ticket !== newestEstimate) return;
+    if (answer.status === 400) {
+      showInvalid(answer.body.errors);
+      return;
+    }
+    design.estimate = answer.body;
+    design.errors = {};
+    results.classList.remove("stale");
+    showMessages({}, answer.body.warnings);
+    showStatus("");
+    drawEstimate(answer.body);
+    loadTraffic(request, answer.body.layout.world_size, ticket);
+  }
+
+  function showInvalid(errors) {
+    design.errors = errors;
+    results.classList.add("stale");
+    showMessages(errors, []);
+    showStatus("fix the marked fields to see an estimate");
+  }
+
+  async function loadTraffic(request, worldSize, ticket) {
+    const note = document.getElementById("traffic-note");
+    if (worldSize > HEATMAP_MAX_RANKS) {
+      design.traffic = null;
+      Plotly.purge("traffic-chart");
+      note.textContent = `The heatmap is drawn for up to ${HEATMAP_MAX_RANKS} ranks; this layout has ${worldSize}.`;
+      note.hidden = false;
+      return;
+    }
+    let answer;
+    try {
+      answer = await postJson(page.urls.traffic, request);
+    } catch (error) {
+      if (ticket === newestEstimate) showStatus(`traffic failed: ${error.message}`);
+      return;
+    }
+    if (ticket !== newestEstimate) return;
+    if (answer.status === 400) {
+      note.textContent = Object.values(answer.body.errors).join("; ");
+      note.hidden = false;
+      return;
+    }
+    note.hidden = true;
+    design.traffic = answer.body;
+    drawTraffic(answer.body);
+  }
+
+  // ---- messages beside fields and in the banner ----
+
+  function showMessages(errors, warnings) {
+    for (const element of document.querySelectorAll(".field-error, .field-warning")) {
+      element.textContent = "";
+      element.hidden = true;
+    }
+    for (const element of document.querySelectorAll(".input.has-error")) element.classList.remove("has-error");
+    const bannerLines = [];
+    for (const [field, message] of Object.entries(errors)) {
+      if (!placeMessage(field, message, "field-error")) bannerLines.push(`${field}: ${message}`);
+    }
+    for (const { field, message } of warnings) {
+      if (BANNER_WARNING.test(field) || !placeMessage(field, message, "field-warning")) bannerLines.push(message);
+    }
+    banner.replaceChildren(...bannerLines.map(listItem));
+    banner.hidden = bannerLines.length === 0;
+  }
+
+  function placeMessage(field, message, className) {
+    const element = document.querySelector(`.${className}[data-for="${field}"]`);
+    if (!element) return false;
+    element.textContent = element.textContent ? `${element.textContent} ${message}` : message;
+    element.hidden = false;
+    if (className === "field-error") element.closest(".input").classList.add("has-error");
+    return true;
+  }
+
+  function listItem(text) {
+    const item = document.createElement("li");
+    item.textContent = text;
+    return item;
+  }
+
+  function showStatus(text) {
+    status.textContent = text;
+  }
+
+  // ---- drawing an estimate ----
+
+  function drawEstimate(estimate) {
+    drawSummary(estimate);
+    drawMemory(estimate.memory);
+    drawTime(estimate.time);
+    drawTimeline(estimate.timeline);
+    drawTerms(estimate);
+  }
+
+  function drawSummary(estimate) {
+    const { memory, layout } = estimate;
+    const fits = document.getElementById("summary-fits");
+    fits.textContent = memory.fits ? "fits" : "does not fit";
+    fits.className = memory.fits ? "fits" : "does-not-fit";
+    setText("summary-tokens", Math.round(estimate.tokens_per_s).toLocaleString("en-US"));
+    setText("summary-mfu", percent(estimate.mfu));
+    setText("summary-bubble", percent(estimate.bubble_fraction));
+    setText("summary-step", formatSeconds(estimate.time.step_s));
+    setText("summary-peak", `${formatBinaryBytes(memory.peak_bytes)} of ${formatBinaryBytes(memory.capacity_bytes)}`);
+    setText("summary-world", `${layout.world_size} of ${layout.gpus_in_cluster}`);
+  }
+
+  // One stack per pipeline rank, one trace per term name, and the GPU's HBM as a line.
+  function drawMemory(memory) {
+    const ranks = memory.ranks.map((rank) => `pp rank ${rank.pp_rank}`);
+    const names = [...new Set(memory.ranks.flatMap((rank) => rank.terms.map((term) => term.name)))];
+    const traces = names.map((name) => {
+      const terms = memory.ranks.map((rank) => rank.terms.find((term) => term.name === name));
+      return {
+        type: "bar",
+        name,
+        x: ranks,
+        y: terms.map((term) => (term ? term.value / GIB : 0)),
+        customdata: terms.map((term) => (term ? term.formula : "")),
+        hovertemplate: "%{fullData.name}: %{y:.2f} GiB<br>%{customdata}<extra>%{x}</extra>",
+      };
+    });
+    const capacity = memory.capacity_bytes / GIB;
+    const top = Math.max(capacity, ...memory.ranks.map((rank) => rank.device_bytes / GIB)) * 1.08;
+    const layout = {
+      barmode: "stack",
+      margin: { l: 56, r: 16, t: 8, b: 40 },
+      yaxis: { title: { text: "GiB" }, range: [0, top] },
+      legend: { orientation: "h", y: -0.18 },
+      hoverlabel: { namelength: -1 },
+      shapes: [
+        {
+          type: "line", xref: "paper", x0: 0, x1: 1, y0: capacity, y1: capacity,
+          line: { color: CAPACITY_COLOUR, dash: "dash" },
+        },
+      ],
+      annotations: [
+        {
+          xref: "paper", x: 1, y: capacity, xanchor: "right", yanchor: "bottom", showarrow: false,
+          text: `HBM ${capacity.toFixed(0)} GiB`, font: { color: CAPACITY_COLOUR },
+        },
+      ],
+    };
+    Plotly.react("memory-chart", traces, layout, PLOT_CONFIG);
+  }
+
+  function drawTime(time) {
+    const traces = time.terms.map((term) => ({
+      type: "bar",
+      orientation: "h",
+      name: term.name,
+      y: ["step"],
+      x: [term.value * 1000],
+      customdata: [term.formula],
+      hovertemplate: "%{fullData.name}: %{x:.2f} ms<br>%{customdata}<extra></extra>",
+    }));
+    const layout = {
+      barmode: "stack",
+      margin: { l: 48, r: 16, t: 8, b: 40 },
+      xaxis: { title: { text: "ms" } },
+      legend: { orientation: "h", y: -0.6 },
+      hoverlabel: { namelength: -1 },
+    };
+    Plotly.react("time-chart", traces, layout, PLOT_CONFIG);
+  }
+
+  // Horizontal bars from each op's start to its end, one row per pipeline rank, one colour per kind.
+  function drawTimeline(timeline) {
+    const card = document.getElementById("timeline-card");
+    if (!timeline) {
+      Plotly.purge("timeline-chart");
+      card.hidden = true;
+      return;
+    }
+    card.hidden = false;
+    const byKind = {};
+    for (const op of timeline.ops) {
+      const kind = op.k === "B" && op.w ? "B+W" : op.k;
+      (byKind[kind] ||= []).push(op);
+    }
+    const traces = Object.entries(byKind).map(([kind, ops]) => ({
+      type: "bar",
+      orientation: "h",
+      name: OP_NAMES[kind],
+      y: ops.map((op) => op.r),
+      base: ops.map((op) => op.t0 * 1000),
+      x: ops.map((op) => (op.t1 - op.t0) * 1000),
+      text: ops.map((op) => String(op.mb)),
+      customdata: ops.map((op) => [op.s, op.t0 * 1000, op.t1 * 1000]),
+      textposition: "inside",
+      insidetextanchor: "middle",
+      marker: { color: OP_COLOURS[kind], line: { color: "#fff", width: 0.5 } },
+      hovertemplate:
+        `${kind} stage %{customdata[0]}, microbatch %{text}<br>%{customdata[1]:.2f}–%{customdata[2]:.2f} ms` +
+        "<extra>rank %{y}</extra>",
+    }));
+    const layout = {
+      barmode: "overlay",
+      bargap: 0.15,
+      margin: { l: 56, r: 16, t: 28, b: 40 },
+      title: { text: `${timeline.schedule}: bubble ${percent(timeline.bubble_fraction)}`, font: { size: 13 } },
+      xaxis: { title: { text: "ms into the step" } },
+      yaxis: { title: { text: "pipeline rank" }, autorange: "reversed", dtick: 1 },
+      uniformtext: { mode: "hide", minsize: 8 },
+      legend: { orientation: "h", y: -0.2 },
+    };
+    Plotly.react("timeline-chart", traces, layout, PLOT_CONFIG);
+  }
+
+  function drawTraffic(matrix) {
+    const kinds = Object.entries(matrix.by_kind);
+    const hover = matrix.bytes.map((row, source) =>
+      row.map((total, destination) =>
+        total
+          ? kinds
+              .filter(([, kindMatrix]) => kindMatrix[source][destination])
+              .map(([kind, kindMatrix]) => `${kind} ${formatBytes(kindMatrix[source][destination])}`)
+              .join(", ")
+          : "",
+      ),
+    );
+    const trace = {
+      type: "heatmap",
+      z: matrix.bytes,
+      text: hover,
+      // Silence is the page's own background; the busiest link is the accent colour.
+      colorscale: [[0, "#f6f7f9"], [1, "#3056d3"]],
+      colorbar: { title: { text: "bytes" } },
+      hovertemplate: "rank %{y} → rank %{x}<br>%{z:.3s}B: %{text}<extra></extra>",
+    };
+    // Whole ranks only, about 16 ticks however large the world.
+    const dtick = Math.max(1, Math.ceil(matrix.world_size / 16));
+    const layout = {
+      margin: { l: 56, r: 16, t: 8, b: 44 },
+      xaxis: { title: { text: "receiving rank" }, dtick, constrain: "domain" },
+      yaxis: { title: { text: "sending rank" }, dtick, autorange: "reversed", scaleanchor: "x" },
+    };
+    Plotly.react("traffic-chart", [trace], layout, PLOT_CONFIG);
+  }
+
+  // The formulas behind every number: the time terms and the peak pipeline rank's memory terms.
+  function drawTerms(estimate) {
+    const peak = estimate.memory.ranks.find((rank) => rank.pp_rank === estimate.memory.peak_pp_rank);
+    const rows = [
+      ...estimate.time.terms.map((term) => termRow("step time", term, formatSeconds(term.value))),
+      ...peak.terms.map((term) => termRow(`memory, pp rank ${peak.pp_rank}`, term, formatBinaryBytes(term.value))),
+    ];
+    document.getElementById("terms-rows").replaceChildren(...rows);
+  }
+
+  function termRow(part, term, value) {
+    const row = document.createElement("tr");
+    for (const text of [part, term.name, value, term.formula]) {
+      row.appendChild(document.createElement("td")).textContent = text;
+    }
+    return row;
+  }
+
+  // ---- search ----
+
+  async function runSearch() {
+    const button = document.getElementById("search");
+    const searchStatus = document.getElementById("search-status");
+    const request = currentRequest();
+    const precision = request.config.compute.precision;
+    const body = {
+      model: request.config.model,
+      cluster: request.cluster,
+      global_batch: numberOrText(document.getElementById("search-batch").value.trim()),
+      precision: precision === "auto" ? "bf16" : precision,
+    };
+    button.disabled = true;
+    searchStatus.textContent = "searching…";
+    try {
+      const answer = await postJson(page.urls.search, body);
+      if (answer.status === 400) {
+        showMessages(answer.body.errors, []);
+        searchStatus.textContent = "fix the marked fields to search";
+        return;
+      }
+      design.search = answer.body;
+      const { evaluated, fitting, seconds, message } = answer.body;
+      searchStatus.textContent =
+        `${evaluated.toLocaleString("en-US")} layouts evaluated, ${fitting.toLocaleString("en-US")} fit, ` +
+        `in ${seconds.toFixed(1)} s${message ? `: ${message}` : ""}`;
+      drawSearchTable(answer.body.results);
+      drawPareto(answer.body.results, answer.body.pareto);
+    } catch (error) {
+      searchStatus.textContent = `search failed: ${error.message}`;
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  function drawSearchTable(found) {
+    const rows = found.map((result) => {
+      const row = document.createElement("tr");
+      row.className = "search-result";
+      row.tabIndex = 0;
+      const cells = [result.rank, result.summary, Math.round(result.tokens_per_s).toLocaleString("en-US"),
+                     percent(result.mfu), gib(result.peak_bytes), result.runnable ? "yes" : "not yet"];
+      for (const text of cells) row.appendChild(document.createElement("td")).textContent = text;
+      row.addEventListener("click", () => loadConfig(result.config));
+      row.addEventListener("keydown", (event) => {
+        if (event.key === "Enter") loadConfig(result.config);
+      });
+      return row;
+    });
+    document.getElementById("search-rows").replaceChildren(...rows);
+    document.getElementById("search-table").hidden = found.length === 0;
+  }
+
+  let paretoListening = false;
+
+  // Every result faded, the Pareto front (no layout both faster and smaller) on top; a click on
+  // either loads that layout.
+  function drawPareto(found, front) {
+    const card = document.getElementById("pareto-card");
+    card.hidden = found.length === 0;
+    if (!found.length) return;
+    const sortedFront = [...front].sort((a, b) => a.peak_bytes - b.peak_bytes);
+    const traces = [
+      resultsTrace(found, "ranked layouts", { mode: "markers", marker: { size: 8, color: "#b8c2d6" } }),
+      resultsTrace(sortedFront, "Pareto front", { mode: "markers+lines", marker: { size: 10, color: "#3056d3" } }),
+    ];
+    const layout = {
+      margin: { l: 70, r: 16, t: 8, b: 44 },
+      xaxis: { title: { text: "peak memory per GPU (GiB)" } },
+      yaxis: { title: { text: "tokens/s" } },
+      legend: { orientation: "h", y: -0.25 },
+      hovermode: "closest",
+    };
+    const chart = document.getElementById("pareto-chart");
+    Plotly.react(chart, traces, layout, PLOT_CONFIG);
+    // Plotly keeps a chart's listeners across react(): one listener reads the latest traces.
+    if (!paretoListening) {
+      chart.on("plotly_click", (event) => loadConfig(event.points[0].customdata));
+      paretoListening = true;
+    }
+  }
+
+  function resultsTrace(results, name, style) {
+    return {
+      type: "scatter",
+      name,
+      ...style,
+      x: results.map((result) => result.peak_bytes / GIB),
+      y: results.map((result) => result.tokens_per_s),
+      text: results.map((result) => result.summary),
+      customdata: results.map((result) => result.config),
+      hovertemplate: "%{text}<br>%{x:.1f} GiB, %{y:,.0f} tokens/s<extra></extra>",
+    };
+  }
+
+  // ---- launch and export ----
+
+  async function launch() {
+    const button = document.getElementById("launch");
+    const request = currentRequest();
+    const name = document.getElementById("design-name").value.trim() || layoutName(request.config);
+    button.disabled = true;
+    try {
+      const answer = await postJson(page.urls.runs, { name, config: request.config, cluster: request.cluster });
+      if (answer.status === 201) {
+        window.location.assign(`/runs/${answer.body.id}/`);
+        return;
+      }
+      if (answer.status === 400) showMessages(runFieldErrors(answer.body.errors), []);
+      else showStatus(`launch failed: HTTP ${answer.status}`);
+    } catch (error) {
+      showStatus(`launch failed: ${error.message}`);
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  // The runs API names config fields "config.model.experts"; the form names them "model.experts".
+  function runFieldErrors(errors) {
+    return Object.fromEntries(
+      Object.entries(errors).map(([field, message]) => [
+        field.startsWith(RUN_CONFIG_PREFIX) ? field.slice(RUN_CONFIG_PREFIX.length) : field,
+        message,
+      ]),
+    );
+  }
+
+  function layoutName(config) {
+    const degrees = ["dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"]
+      .filter((degree) => config.parallel[degree] > 1)
+      .map((degree) => `${degree} ${config.parallel[degree]}`);
+    return [presetSelect.value || "custom model", ...degrees].join(" · ");
+  }
+
+  async function exportLayout() {
+    const exportFormat = document.getElementById("export-format").value;
+    const answer = await postJson(page.urls.export, { config: currentRequest().config, format: exportFormat });
+    if (answer.status === 400) {
+      showMessages(answer.body.errors, []);
+      return;
+    }
+    document.getElementById("export-heading").textContent = `Export: ${exportFormat}`;
+    document.getElementById("export-text").textContent = answer.body.text;
+    const panel = document.getElementById("export-panel");
+    panel.hidden = false;
+    panel.scrollIntoView({ block: "nearest" });
+  }
+
+  // ---- small helpers ----
+
+  async function postJson(url, body) {
+    const response = await fetch(url, {
+      method: "POST",
+      credentials: "same-origin",
+      headers: { "Content-Type": "application/json", Accept: "application/json", "X-CSRFToken": cookie("csrftoken") },
+      body: JSON.stringify(body),
+    });
+    if (![200, 201, 400].includes(response.status)) throw new Error(`HTTP ${response.status}`);
+    return { status: response.status, body: await response.json() };
+  }
+
+  function cookie(name) {
+    const entry = document.cookie.split("; ").find((item) => item.startsWith(`${name}=`));
+    return entry ? decodeURIComponent(entry.slice(name.length + 1)) : "";
+  }
+
+  function setText(id, text) {
+    document.getElementById(id).textContent = text;
+  }
+
+  function percent(fraction) {
+    return `${(fraction * 100).toFixed(1)} %`;
+  }
+
+  function gib(bytes) {
+    return (bytes / GIB).toFixed(1);
+  }
+
+  function formatSeconds(seconds) {
+    if (seconds >= 1) return `${seconds.toPrecision(3)} s`;
+    if (seconds >= 1e-3) return `${(seconds * 1e3).toPrecision(3)} ms`;
+    return `${(seconds * 1e6).toPrecision(3)} µs`;
+  }
+
+  // Memory in powers of two (what allocators and HBM sizes use); link traffic in powers of ten.
+  function formatBinaryBytes(bytes) {
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let unit = 0;
+    while (bytes >= 1024 && unit < units.length - 1) {
+      bytes /= 1024;
+      unit += 1;
+    }
+    return `${bytes.toFixed(unit ? 1 : 0)} ${units[unit]}`;
+  }
+
+  function formatBytes(bytes) {
+    const units = ["B", "KB", "MB", "GB", "TB"];
+    let unit = 0;
+    while (bytes >= 1000 && unit < units.length - 1) {
+      bytes /= 1000;
+      unit += 1;
+    }
+    return `${bytes.toFixed(unit ? 1 : 0)} ${units[unit]}`;
+  }
+
+  function start() {
+    form.addEventListener("input", (event) => {
+      if (event.target.dataset.path?.startsWith("model.")) presetSelect.value = matchingPreset();
+      if (event.target.dataset.path) scheduleEstimate();
+    });
+    presetSelect.addEventListener("change", () => {
+      applyPreset();
+      scheduleEstimate();
+    });
+    form.addEventListener("submit", (event) => event.preventDefault());
+    document.getElementById("launch").addEventListener("click", launch);
+    document.getElementById("export").addEventListener("click", exportLayout);
+    document.getElementById("search").addEventListener("click", runSearch);
+    estimateNow();
+  }
+
+  start();
+})();

@@ -1,0 +1,5 @@
+from django.apps import AppConfig
+
+
+class PlannerConfig(AppConfig):
+    name = "loom.planner"

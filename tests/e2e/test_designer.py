@@ -1,0 +1,265 @@
+"""The designer page in real headless Chromium against the real platform: live estimates drawn from
+the planner API as fields change, errors beside their fields, search results loaded into the form,
+and a launch that trains on CPU ranks and shows its prediction beside what it measured."""
+
+import re
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from .test_browser import CHROMIUM, CHROMIUM_ARGS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SCREENSHOT = "/tmp/loom-designer.png"
+RUN_SCREENSHOT = "/tmp/loom-designed-run.png"
+ESTIMATE_TIMEOUT_MS = 15_000
+TRAINING_TIMEOUT_MS = 240_000
+
+# The data behind the memory chart, as Plotly holds it: one trace per term name, one bar per pp rank.
+MEMORY_BARS = """() => Object.fromEntries(
+  document.getElementById("memory-chart").data.map((trace) => [trace.name, trace.y])
+)"""
+TIMELINE_TRACES = """() => document.getElementById("timeline-chart").data.map(
+  (trace) => ({name: trace.name, ranks: [...new Set(trace.y)]})
+)"""
+# The same numbers, from the estimate the page keeps: the chart must show the estimate it holds.
+MEMORY_BARS_FROM_ESTIMATE = """() => {
+  const ranks = window.loomDesign.estimate.memory.ranks;
+  const names = [...new Set(ranks.flatMap((rank) => rank.terms.map((term) => term.name)))];
+  return Object.fromEntries(names.map((name) => [name, ranks.map((rank) => {
+    const term = rank.terms.find((item) => item.name === name);
+    return term ? term.value / 2 ** 30 : 0;
+  })]));
+}"""
+# Holds back the answers to estimates of one tp degree, so that a later edit's answer arrives first.
+SLOW_ESTIMATES_FOR_TP = """(slowTp) => {
+  const realFetch = window.fetch;
+  window.slowEstimatesAnswered = 0;
+  window.fetch = async (url, options) => {
+    const slow = String(url).endsWith("/api/plan/estimate") && JSON.parse(options.body).config.parallel.tp === slowTp;
+    const response = await realFetch(url, options);
+    if (slow) {
+      await new Promise((resolve) => setTimeout(resolve, 1500));
+      window.slowEstimatesAnswered += 1;
+    }
+    return response;
+  };
+}"""
+# Where a Pareto-front point is drawn, from Plotly's own axes: the test clicks it as a user would.
+PARETO_POINT_ON_SCREEN = """(index) => {
+  const chart = document.getElementById("pareto-chart");
+  const { xaxis, yaxis, _size: plot } = chart._fullLayout;
+  const front = chart.data.find((trace) => trace.name === "Pareto front");
+  const box = chart.getBoundingClientRect();
+  return [box.left + plot.l + xaxis.l2p(front.x[index]), box.top + plot.t + yaxis.l2p(front.y[index])];
+}"""
+
+
+@pytest.fixture
+def browser(live_platform, platform_user):
+    # Playwright's sync API keeps an event loop in this thread, and Django refuses ORM calls under
+    # one: the platform and the user are set up before the browser starts and torn down after it.
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def designer(live_platform, platform_user, browser):
+    """The designer page, logged in through the login form, with its first estimate drawn."""
+    user, password = platform_user
+    context = browser.new_context(base_url=live_platform.url, viewport={"width": 1400, "height": 1200})
+    page = context.new_page()
+    page.goto("/plan/")
+    expect(page).to_have_url(re.compile(r"/login/\?next=/plan/$"))
+    page.fill("#id_username", user.username)
+    page.fill("#id_password", password)
+    page.click("button:has-text('Log in')")
+    expect(page).to_have_url(f"{live_platform.url}/plan/")
+    script_errors = []
+    page.on("pageerror", lambda error: script_errors.append(error))
+    page.wait_for_function("window.loomDesign?.estimate", timeout=ESTIMATE_TIMEOUT_MS)
+    yield page
+    context.close()
+    assert not script_errors, script_errors
+
+
+def set_field(page, path: str, value: str) -> None:
+    field = page.locator(f'[data-path="{path}"]')
+    if field.evaluate("element => element.tagName") == "SELECT":
+        field.select_option(value)
+    else:
+        field.fill(value)
+
+
+def wait_for_estimate(page, condition: str) -> None:
+    """Until the drawn estimate satisfies `condition`, a JS expression over `estimate`."""
+    page.wait_for_function(
+        f"(() => {{ const estimate = window.loomDesign.estimate; return {condition}; }})()",
+        timeout=ESTIMATE_TIMEOUT_MS,
+    )
+
+
+def field_error(page, path: str):
+    return page.locator(f'.field-error[data-for="{path}"]')
+
+
+def test_estimates_follow_the_fields_and_errors_show_beside_them(designer):
+    page = designer
+    estimate = page.evaluate("window.loomDesign.estimate")
+    assert estimate["config"]["model"]["layers"] == 32 and estimate["layout"]["world_size"] == 8
+    assert page.locator("#design-preset").input_value() == "llama3-8b"
+    set_field(page, "cluster.nodes", "2")
+    wait_for_estimate(page, "estimate.cluster.nodes === 2")
+    before = page.evaluate(MEMORY_BARS)
+    assert {"parameters", "activations"} <= set(before) and all(len(bars) == 1 for bars in before.values())
+    capacity = page.evaluate("document.getElementById('memory-chart').layout.shapes[0].y0")
+    assert capacity == pytest.approx(80)
+
+    set_field(page, "parallel.tp", "2")
+    wait_for_estimate(page, "estimate.config.parallel.tp === 2")
+    after = page.evaluate(MEMORY_BARS)
+    assert after["parameters"][0] == pytest.approx(before["parameters"][0] / 2, rel=0.01)
+    assert after["activations"][0] < before["activations"][0]
+    assert page.evaluate("window.loomDesign.lastRequest.config.parallel.tp") == 2
+    page.wait_for_function("document.getElementById('traffic-chart').data?.[0]?.z.length === 16")
+    hover = page.evaluate("document.getElementById('traffic-chart').data[0].text[0]")
+    assert re.match(r"tp \d", hover[1]) and hover[0] == ""  # rank 0 sends to its tp peer, not itself
+
+    set_field(page, "parallel.tp", "3")
+    expect(field_error(page, "parallel.tp")).to_contain_text("must divide model.heads=32")
+    expect(page.locator('.input[data-field="parallel.tp"]')).to_have_class(re.compile("has-error"))
+    assert page.evaluate("window.loomDesign.estimate.config.parallel.tp") == 2  # the charts keep the last good one
+
+    set_field(page, "parallel.tp", "abc")
+    expect(field_error(page, "parallel.tp")).to_contain_text("valid integer")
+
+    set_field(page, "parallel.tp", "1")
+    set_field(page, "cluster.nodes", "4")
+    expect(field_error(page, "parallel.tp")).to_be_hidden()
+    expect(page.locator("#design-banner")).to_contain_text("uses 8 of the cluster's 32 GPUs")
+
+
+def test_an_answer_to_an_earlier_edit_that_arrives_late_is_not_drawn(designer):
+    page = designer
+    set_field(page, "cluster.nodes", "4")
+    wait_for_estimate(page, "estimate.cluster.nodes === 4")
+    page.evaluate(SLOW_ESTIMATES_FOR_TP, 2)
+    set_field(page, "parallel.tp", "2")
+    page.wait_for_function("window.loomDesign.lastRequest.config.parallel.tp === 2")
+    set_field(page, "parallel.tp", "4")
+    wait_for_estimate(page, "estimate.config.parallel.tp === 4")
+    page.wait_for_function("window.slowEstimatesAnswered === 1", timeout=ESTIMATE_TIMEOUT_MS)
+    page.wait_for_timeout(200)
+    assert page.evaluate("window.loomDesign.estimate.config.parallel.tp") == 4
+    assert page.evaluate(MEMORY_BARS) == page.evaluate(MEMORY_BARS_FROM_ESTIMATE)
+
+
+def test_a_pipeline_draws_its_schedule_timeline(designer):
+    page = designer
+    expect(page.locator("#timeline-card")).to_be_hidden()
+    set_field(page, "cluster.nodes", "2")
+    set_field(page, "data.micro_batch", "4")
+    set_field(page, "parallel.microbatches", "4")
+    set_field(page, "parallel.pp", "2")
+    wait_for_estimate(page, "estimate.timeline !== null && estimate.timeline.microbatches === 4")
+    expect(page.locator("#timeline-card")).to_be_visible()
+    traces = page.evaluate(TIMELINE_TRACES)
+    assert {trace["name"] for trace in traces} >= {"forward"}
+    assert all(sorted(trace["ranks"]) == [0, 1] for trace in traces)
+    memory_ranks = page.evaluate("document.getElementById('memory-chart').data[0].x")
+    assert memory_ranks == ["pp rank 0", "pp rank 1"]
+    expect(page.locator("#summary-bubble")).not_to_have_text("0.0 %")
+    expect(page.locator("#terms-rows")).to_contain_text("pipeline bubble")
+
+
+def test_a_search_result_loads_into_the_form(designer):
+    page = designer
+    page.fill("#search-batch", "32")
+    page.click("#search")
+    first_row = page.locator("#search-rows tr").first
+    expect(first_row).to_be_visible(timeout=60_000)
+    expect(page.locator("#pareto-card")).to_be_visible()
+    best = page.evaluate("window.loomDesign.search.results[0].config")
+    first_row.click()
+    for path in ("parallel.tp", "parallel.dp_shard", "parallel.pp", "data.micro_batch"):
+        section, field = path.split(".")
+        assert page.locator(f'[data-path="{path}"]').input_value() == str(best[section][field])
+    wait_for_estimate(
+        page,
+        f"estimate.config.parallel.tp === {best['parallel']['tp']} && "
+        f"estimate.config.data.micro_batch === {best['data']['micro_batch']}",
+    )
+
+    smallest = page.evaluate("window.loomDesign.search.pareto[0].config")
+    assert smallest != best
+    page.locator("#pareto-chart").scroll_into_view_if_needed()
+    page.mouse.click(*page.evaluate(PARETO_POINT_ON_SCREEN, 0))
+    wait_for_estimate(
+        page,
+        f"estimate.config.data.micro_batch === {smallest['data']['micro_batch']} && "
+        f"estimate.config.parallel.pp === {smallest['parallel']['pp']} && "
+        f"estimate.config.compute.recompute === '{smallest['compute']['recompute']}'",
+    )
+
+
+def test_export_shows_the_layout_for_another_trainer(designer):
+    page = designer
+    page.click("#export")
+    expect(page.locator("#export-panel")).to_be_visible()
+    expect(page.locator("#export-text")).not_to_be_empty()
+    page.select_option("#export-format", "megatron")
+    page.click("#export")
+    expect(page.locator("#export-text")).to_contain_text("--tensor-model-parallel-size")
+
+
+def test_launch_refuses_what_the_trainer_cannot_run_beside_the_field(designer):
+    page = designer
+    page.select_option("#design-preset", "mixtral-8x7b")
+    wait_for_estimate(page, "estimate.config.model.experts === 8")
+    page.click("#launch")
+    expect(field_error(page, "model.experts")).to_contain_text("dense models only")
+    assert page.url.endswith("/plan/")
+    page.select_option("#design-preset", "llama3-8b")  # a preset sets every model field, experts too
+    expect(page.locator('[data-path="model.experts"]')).to_have_value("1")
+    wait_for_estimate(page, "estimate.config.model.experts === 1")
+
+
+def test_launch_creates_the_run_with_its_estimate_and_its_page_compares_them(designer):
+    page = designer
+    page.select_option("#design-preset", "loom-tiny")
+    layout = {
+        "parallel.dp_shard": "1",
+        "parallel.dp_replicate": "2",
+        "compute.precision": "fp32",
+        "compute.recompute": "none",
+        "data.micro_batch": "4",
+        "steps": "3",
+    }
+    for path, value in layout.items():
+        set_field(page, path, value)
+    wait_for_estimate(
+        page, "estimate.config.model.dim === 64 && estimate.layout.world_size === 2 && estimate.config.steps === 3"
+    )
+    page.screenshot(path=SCREENSHOT, full_page=True)
+    page.fill("#design-name", "designed tiny run")
+    page.click("#launch")
+    page.wait_for_url(re.compile(r"/runs/\d+/$"))
+    run_id = int(re.search(r"/runs/(\d+)/$", page.url).group(1))
+    expect(page.locator("h1")).to_contain_text("designed tiny run")
+
+    stored = page.evaluate("async (id) => (await fetch(`/api/runs/${id}`)).json()", run_id)
+    assert stored["config"]["model"]["dim"] == 64 and stored["config"]["parallel"]["dp_replicate"] == 2
+    assert stored["config"]["compute"]["precision"] == "fp32" and stored["config"]["steps"] == 3
+    assert stored["estimate"]["cluster"]["gpu"] == "H100-SXM"
+    expect(page.locator("#predicted-memory")).not_to_be_empty()
+    expect(page.locator("#predicted-tokens")).not_to_be_empty()
+
+    expect(page.locator("#run-state")).to_have_text("succeeded", timeout=TRAINING_TIMEOUT_MS)
+    expect(page.locator("#measured-memory")).to_have_text(re.compile(r"\d+\.\d+ (MiB|GiB)"))
+    expect(page.locator("#measured-tokens")).to_have_text(re.compile(r"\d"))
+    measured = page.evaluate("window.loomRun.measured")
+    assert measured["peakMemoryBytes"] > 0 and sorted(measured["tokensPerSByRank"]) == ["0", "1"]
+    page.screenshot(path=RUN_SCREENSHOT, full_page=True)
