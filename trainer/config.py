@@ -17,6 +17,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# Fixed parts of the model that ModelConfig does not expose: trainer/model.py builds with them and the
+# planner's exporters write them into other trainers' jobs, so both read them from here.
+ROPE_BASE = 10_000.0
+"""Base of the rotary position embedding's frequencies (Llama 2's; Llama 3 uses 500,000)."""
+NORM_EPS = 1e-5
+"""Epsilon RMSNorm adds to the mean square before the square root."""
+
+
 class ModelConfig(_Section):
     """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
 

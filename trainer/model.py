@@ -12,12 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ModelConfig
+from trainer.config import NORM_EPS, ROPE_BASE, ModelConfig
 from trainer.kernels import TORCH_KERNELS, KernelSet
 
 INIT_STD = 0.02
-ROPE_BASE = 10_000.0
-NORM_EPS = 1e-5
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float = ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:

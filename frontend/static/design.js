@@ -19,7 +19,7 @@
   const PLOT_CONFIG = { responsive: true, displaylogo: false };
   const CAPACITY_COLOUR = "#c62f3b";
 
-  const design = { estimate: null, lastRequest: null, errors: {}, traffic: null, search: null };
+  const design = { estimate: null, lastRequest: null, errors: {}, traffic: null, search: null, lastSearch: null };
   window.loomDesign = design;
 
   const form = document.getElementById("design-form");
@@ -404,7 +404,9 @@
       cluster: request.cluster,
       global_batch: numberOrText(document.getElementById("search-batch").value.trim()),
       precision: precision === "auto" ? "bf16" : precision,
+      runnable_only: document.getElementById("search-runnable-only").checked,
     };
+    design.lastSearch = body;
     button.disabled = true;
     searchStatus.textContent = "searching…";
     try {
@@ -544,19 +546,9 @@
   // ---- small helpers ----
 
   async function postJson(url, body) {
-    const response = await fetch(url, {
-      method: "POST",
-      credentials: "same-origin",
-      headers: { "Content-Type": "application/json", Accept: "application/json", "X-CSRFToken": cookie("csrftoken") },
-      body: JSON.stringify(body),
-    });
+    const response = await loom.post(url, body);
     if (![200, 201, 400].includes(response.status)) throw new Error(`HTTP ${response.status}`);
     return { status: response.status, body: await response.json() };
-  }
-
-  function cookie(name) {
-    const entry = document.cookie.split("; ").find((item) => item.startsWith(`${name}=`));
-    return entry ? decodeURIComponent(entry.slice(name.length + 1)) : "";
   }
 
   function setText(id, text) {

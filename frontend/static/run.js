@@ -322,11 +322,7 @@
   async function cancelRun() {
     cancelButton.disabled = true;
     try {
-      const response = await fetch(`${page.apiUrl}/cancel`, {
-        method: "POST",
-        credentials: "same-origin",
-        headers: { "X-CSRFToken": cookie("csrftoken"), Accept: "application/json" },
-      });
+      const response = await loom.post(`${page.apiUrl}/cancel`);
       if (response.status === 409) showNotice((await response.json()).detail);
       else if (!response.ok) showNotice(`Cancel failed: HTTP ${response.status}`);
     } catch (error) {
@@ -381,11 +377,6 @@
     const response = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     return response.json();
-  }
-
-  function cookie(name) {
-    const entry = document.cookie.split("; ").find((item) => item.startsWith(`${name}=`));
-    return entry ? decodeURIComponent(entry.slice(name.length + 1)) : "";
   }
 
   function showNotice(text) {

@@ -5,14 +5,12 @@ import os
 import re
 
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
 from .tiny_run import TINY_RUN_INPUTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"]
 SCREENSHOT = "/tmp/loom-run.png"
 TRAINING_TIMEOUT_MS = 240_000
 RANKS = ["0", "1"]
@@ -25,29 +23,9 @@ LIVE_POINTS_FROM_EVERY_RANK = """(ranks) => {
 
 
 @pytest.fixture
-def browser(live_platform, platform_user):
-    # Playwright's sync API keeps an event loop in this thread, and Django refuses ORM calls under
-    # one: the platform and the user are set up before the browser starts and torn down after it.
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(live_platform, platform_user, browser):
-    """A page logged in through the login form."""
-    user, password = platform_user
-    context = browser.new_context(base_url=live_platform.url, viewport={"width": 1280, "height": 1100})
-    page = context.new_page()
-    page.goto("/")
-    expect(page).to_have_url(re.compile(r"/login/\?next=/$"))
-    page.fill("#id_username", user.username)
-    page.fill("#id_password", password)
-    page.click("button:has-text('Log in')")
-    expect(page).to_have_url(f"{live_platform.url}/")
-    yield page
-    context.close()
+def page(open_logged_in):
+    """The run list, logged in through the login form."""
+    return open_logged_in("/", {"width": 1280, "height": 1100})
 
 
 def create_run_through_the_form(page, name: str, steps: int) -> int:

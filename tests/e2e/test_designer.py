@@ -5,9 +5,7 @@ and a launch that trains on CPU ranks and shows its prediction beside what it me
 import re
 
 import pytest
-from playwright.sync_api import expect, sync_playwright
-
-from .test_browser import CHROMIUM, CHROMIUM_ARGS
+from playwright.sync_api import expect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -57,32 +55,13 @@ PARETO_POINT_ON_SCREEN = """(index) => {
 
 
 @pytest.fixture
-def browser(live_platform, platform_user):
-    # Playwright's sync API keeps an event loop in this thread, and Django refuses ORM calls under
-    # one: the platform and the user are set up before the browser starts and torn down after it.
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def designer(live_platform, platform_user, browser):
+def designer(open_logged_in):
     """The designer page, logged in through the login form, with its first estimate drawn."""
-    user, password = platform_user
-    context = browser.new_context(base_url=live_platform.url, viewport={"width": 1400, "height": 1200})
-    page = context.new_page()
-    page.goto("/plan/")
-    expect(page).to_have_url(re.compile(r"/login/\?next=/plan/$"))
-    page.fill("#id_username", user.username)
-    page.fill("#id_password", password)
-    page.click("button:has-text('Log in')")
-    expect(page).to_have_url(f"{live_platform.url}/plan/")
+    page = open_logged_in("/plan/", {"width": 1400, "height": 1200})
     script_errors = []
     page.on("pageerror", lambda error: script_errors.append(error))
     page.wait_for_function("window.loomDesign?.estimate", timeout=ESTIMATE_TIMEOUT_MS)
     yield page
-    context.close()
     assert not script_errors, script_errors
 
 
@@ -178,10 +157,13 @@ def test_a_pipeline_draws_its_schedule_timeline(designer):
 def test_a_search_result_loads_into_the_form(designer):
     page = designer
     page.fill("#search-batch", "32")
+    expect(page.locator("#search-runnable-only")).to_be_checked()
     page.click("#search")
     first_row = page.locator("#search-rows tr").first
     expect(first_row).to_be_visible(timeout=60_000)
     expect(page.locator("#pareto-card")).to_be_visible()
+    assert page.evaluate("window.loomDesign.lastSearch.runnable_only") is True
+    assert set(page.locator("#search-rows td:last-child").all_text_contents()) == {"yes"}
     best = page.evaluate("window.loomDesign.search.results[0].config")
     first_row.click()
     for path in ("parallel.tp", "parallel.dp_shard", "parallel.pp", "data.micro_batch"):

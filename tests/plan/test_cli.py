@@ -12,16 +12,23 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = {
     "model": {"preset": "llama3-70b"},
-    "parallel": {"tp": 8, "pp": 4, "pp_schedule": "Interleaved1F1B", "stages_per_rank": 2, "microbatches": 8,
-                 "dp_shard": 2},
+    "parallel": {
+        "tp": 8,
+        "pp": 4,
+        "pp_schedule": "Interleaved1F1B",
+        "stages_per_rank": 2,
+        "microbatches": 8,
+        "dp_shard": 2,
+    },
     "data": {"micro_batch": 256},
     "compute": {"recompute": "selective"},
 }
 
 
 def plan(*arguments: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.plan", *arguments], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.plan", *arguments], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture
@@ -35,8 +42,18 @@ def test_estimate_prints_memory_time_throughput_communication_and_warnings(layou
     answer = plan("estimate", str(layout_file), "--gpu", "H100-SXM", "--nodes", "8", "--gpus-per-node", "8")
     assert answer.returncode == 0, answer.stderr
     out = answer.stdout
-    for heading in ("Memory per GPU, GiB", "pp rank 3", "activations", "Step time", "pipeline bubble",
-                    "tokens/s", "MFU", "Communication per kind", "Warnings", "does not fit"):
+    for heading in (
+        "Memory per GPU, GiB",
+        "pp rank 3",
+        "activations",
+        "Step time",
+        "pipeline bubble",
+        "tokens/s",
+        "MFU",
+        "Communication per kind",
+        "Warnings",
+        "does not fit",
+    ):
         assert heading in out, heading
 
 
@@ -53,8 +70,20 @@ def test_estimate_json_is_the_estimate_without_its_timeline(layout_file, tmp_pat
 
 
 def test_search_json_lists_fitting_layouts_and_the_frontier():
-    answer = plan("search", "--model", "llama3-70b", "--gpu", "H100-SXM", "--nodes", "8", "--global-batch", "512",
-                  "--limit", "5", "--json")
+    answer = plan(
+        "search",
+        "--model",
+        "llama3-70b",
+        "--gpu",
+        "H100-SXM",
+        "--nodes",
+        "8",
+        "--global-batch",
+        "512",
+        "--limit",
+        "5",
+        "--json",
+    )
     assert answer.returncode == 0, answer.stderr
     document = json.loads(answer.stdout)
     assert len(document["results"]) == 5 and document["pareto"]
@@ -69,6 +98,13 @@ def test_search_prints_tables_and_takes_a_model_file(tmp_path):
     assert answer.returncode == 0, answer.stderr
     assert "Fastest layouts that fit" in answer.stdout and "Pareto frontier" in answer.stdout
     assert "layouts evaluated" in answer.stdout
+
+
+def test_search_runnable_only_lists_only_what_the_trainer_runs():
+    answer = plan("search", "--model", "llama3-8b", "--nodes", "1", "--global-batch", "16", "--runnable-only", "--json")
+    assert answer.returncode == 0, answer.stderr
+    document = json.loads(answer.stdout)
+    assert document["results"] and all(entry["runnable"] for entry in document["results"] + document["pareto"])
 
 
 def test_export_prints_a_torchtitan_job_and_megatron_arguments(layout_file):
@@ -92,8 +128,15 @@ def test_invalid_input_exits_2_naming_each_field(tmp_path):
 
 def test_an_export_without_equivalent_exits_2(tmp_path):
     gpipe = tmp_path / "gpipe.json"
-    gpipe.write_text(json.dumps({"model": {"preset": "llama3-70b"}, "data": {"micro_batch": 8},
-                                 "parallel": {"pp": 4, "pp_schedule": "GPipe", "microbatches": 8}}))
+    gpipe.write_text(
+        json.dumps(
+            {
+                "model": {"preset": "llama3-70b"},
+                "data": {"micro_batch": 8},
+                "parallel": {"pp": 4, "pp_schedule": "GPipe", "microbatches": 8},
+            }
+        )
+    )
     answer = plan("export", str(gpipe), "--format", "megatron")
     assert answer.returncode == 2
     assert answer.stderr.startswith("parallel.pp_schedule: Megatron-LM runs 1F1B and interleaved 1F1B only")

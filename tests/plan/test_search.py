@@ -73,16 +73,24 @@ def test_the_pareto_frontier_is_non_dominated_and_covers_every_result(llama70b):
     assert all(later.tokens_per_s > earlier.tokens_per_s for earlier, later in itertools.pairwise(front))
     assert front[-1].tokens_per_s == llama70b.results[0].tokens_per_s
     for found in llama70b.results:
-        assert any(point.peak_bytes <= found.peak_bytes and point.tokens_per_s >= found.tokens_per_s
-                   for point in front)
+        assert any(point.peak_bytes <= found.peak_bytes and point.tokens_per_s >= found.tokens_per_s for point in front)
 
 
 def test_json_is_the_documented_shape(llama70b):
     document = json.loads(json.dumps(llama70b.to_json()))
     assert set(document) == {"evaluated", "valid", "fitting", "timed", "seconds", "message", "results", "pareto"}
     assert document["evaluated"] >= document["valid"] >= document["fitting"] >= document["timed"] > 0
-    entry_keys = {"rank", "config", "summary", "runnable", "tokens_per_s", "mfu", "step_s", "peak_bytes",
-                  "bubble_fraction"}
+    entry_keys = {
+        "rank",
+        "config",
+        "summary",
+        "runnable",
+        "tokens_per_s",
+        "mfu",
+        "step_s",
+        "peak_bytes",
+        "bubble_fraction",
+    }
     assert [entry["rank"] for entry in document["results"]] == list(range(1, 21))
     for entry in document["results"] + document["pareto"]:
         assert set(entry) == entry_keys
@@ -117,8 +125,9 @@ def test_the_pruned_search_equals_timing_every_layout(model, cluster, global_bat
         _, pipelines = space.pipeline_choices(pp, micro_batch)
         for (schedule, stages_per_rank), counts in pipelines.items():
             for microbatches, choice, recompute in itertools.product(counts, data, RECOMPUTE_LEANEST_FIRST):
-                candidate = Candidate(tp, cp, pp, PipelineChoice(schedule, stages_per_rank, microbatches), choice,
-                                      recompute, micro_batch)
+                candidate = Candidate(
+                    tp, cp, pp, PipelineChoice(schedule, stages_per_rank, microbatches), choice, recompute, micro_batch
+                )
                 config = parse_config(space.config(candidate).model_dump(mode="json"), runnable=False)
                 timed.append(estimate_layout(Layout(config), space.cluster, timeline=False))
     fitting = [each for each in timed if each.fits]
@@ -146,14 +155,39 @@ def test_every_layout_the_rules_accept_is_searched():
             continue
         dp = gpus // (tp * cp * pp)
         micro_batch = global_batch // dp
-        pipelines = [("1F1B", 1, 1)] if pp == 1 else itertools.product(
-            ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
-            range(1, layers + 1), divisors(micro_batch))
+        pipelines = (
+            [("1F1B", 1, 1)]
+            if pp == 1
+            else itertools.product(
+                (
+                    "GPipe",
+                    "1F1B",
+                    "Interleaved1F1B",
+                    "LoopedBFS",
+                    "InterleavedZeroBubble",
+                    "ZBVZeroBubble",
+                    "DualPipeV",
+                ),
+                range(1, layers + 1),
+                divisors(micro_batch),
+            )
+        )
         for (schedule, stages, microbatches), shard, (zero, reshard) in itertools.product(
-                pipelines, divisors(dp), [(0, True), (1, True), (2, True), (3, True), (3, False)]):
-            parallel = {"tp": tp, "sequence_parallel": tp > 1, "cp": cp, "pp": pp, "pp_schedule": schedule,
-                        "stages_per_rank": stages, "microbatches": microbatches, "dp_replicate": dp // shard,
-                        "dp_shard": shard, "zero_stage": zero, "reshard_after_forward": reshard}
+            pipelines, divisors(dp), [(0, True), (1, True), (2, True), (3, True), (3, False)]
+        ):
+            parallel = {
+                "tp": tp,
+                "sequence_parallel": tp > 1,
+                "cp": cp,
+                "pp": pp,
+                "pp_schedule": schedule,
+                "stages_per_rank": stages,
+                "microbatches": microbatches,
+                "dp_replicate": dp // shard,
+                "dp_shard": shard,
+                "zero_stage": zero,
+                "reshard_after_forward": reshard,
+            }
             document = {"model": config.model.model_dump(), "parallel": parallel, "data": {"micro_batch": micro_batch}}
             try:
                 parse_config(document, runnable=False)
@@ -163,16 +197,66 @@ def test_every_layout_the_rules_accept_is_searched():
     assert search(model, cluster, global_batch).valid == valid * len(RECOMPUTE_LEANEST_FIRST)
 
 
+# ---- only the layouts loom's trainer runs ----
+
+DENSE_CASES = [case for case in SMALL_CASES if "mixtral" not in case[0]["preset"]]
+
+
+@pytest.mark.parametrize(("model", "cluster", "global_batch"), DENSE_CASES)
+def test_a_runnable_only_search_returns_only_what_a_launch_accepts(model, cluster, global_batch):
+    result = search(model, cluster, global_batch, runnable_only=True)
+    assert result.results and result.pareto
+    for found in result.results + result.pareto:
+        parse_config(found.config.model_dump(mode="json"))
+        assert found.runnable
+
+
+@pytest.mark.parametrize(("model", "cluster", "global_batch"), DENSE_CASES)
+def test_the_best_runnable_layout_is_the_best_runnable_one_of_the_full_ranking(model, cluster, global_batch):
+    every_fitting = search(model, cluster, global_batch).fitting
+    ranking = [found for found in search(model, cluster, global_batch, limit=every_fitting).results if found.runnable]
+    assert len(ranking) < every_fitting, "the unrestricted search must rank layouts the trainer cannot run"
+    best = search(model, cluster, global_batch, runnable_only=True).results[0]
+    assert best.summary == ranking[0].summary
+    assert best.tokens_per_s == pytest.approx(ranking[0].tokens_per_s, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("model", "options", "field"),
+    [
+        ({"preset": "mixtral-8x7b", "layers": 2}, {}, "model.experts"),
+        ({"preset": "llama3-8b", "layers": 4}, {"precision": "fp8"}, "compute.precision"),
+    ],
+)
+def test_a_model_or_precision_the_trainer_does_not_run_ends_a_runnable_only_search(model, options, field):
+    cluster = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 4}
+    assert search(model, cluster, 8, **options).results
+    result = search(model, cluster, 8, runnable_only=True, **options)
+    assert result.results == [] and result.pareto == [] and result.valid == 0
+    assert "loom's trainer runs no layout" in result.message and field in result.message
+
+
 # ---- what the pruning relies on, checked against the estimate itself ----
 
 PROPERTY_MODEL = {"preset": "llama3-8b", "layers": 8, "seq_len": 4096}
-PIPELINES = [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("LoopedBFS", 2),
-             ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
+PIPELINES = [
+    ("1F1B", 1),
+    ("GPipe", 1),
+    ("Interleaved1F1B", 2),
+    ("InterleavedZeroBubble", 2),
+    ("LoopedBFS", 2),
+    ("ZBVZeroBubble", 2),
+    ("DualPipeV", 2),
+]
 
 
 def layout_of(parallel: dict, micro_batch: int, recompute: str) -> Layout:
-    document = {"model": {**MODEL_PRESETS["llama3-8b"], "layers": 8, "seq_len": 4096}, "parallel": parallel,
-                "data": {"micro_batch": micro_batch}, "compute": {"precision": "bf16", "recompute": recompute}}
+    document = {
+        "model": {**MODEL_PRESETS["llama3-8b"], "layers": 8, "seq_len": 4096},
+        "parallel": parallel,
+        "data": {"micro_batch": micro_batch},
+        "compute": {"precision": "bf16", "recompute": recompute},
+    }
     return Layout(parse_config(document, runnable=False))
 
 
@@ -201,14 +285,17 @@ def test_memory_never_grows_with_more_microbatches_or_more_recompute(schedule, s
 def test_in_layer_communication_never_shrinks_with_more_microbatches(schedule, stages_per_rank, recompute):
     parallel = {"tp": 2, "pp": 2, "cp": 2, "dp_shard": 2, "pp_schedule": schedule, "stages_per_rank": stages_per_rank}
     counts = [m for m in (4, 8, 16, 32) if _schedule_runs(schedule, 2, m, stages_per_rank)]
-    exposed = [max(rank.exposed(("tp", "cp", "ep")) for rank in each.ranks)
-               for each in estimates_along(parallel, 32, recompute, counts)]
+    exposed = [
+        max(rank.exposed(("tp", "cp", "ep")) for rank in each.ranks)
+        for each in estimates_along(parallel, 32, recompute, counts)
+    ]
     assert exposed == sorted(exposed)
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE_LEANEST_FIRST)
 def test_activations_and_flops_scale_with_the_sequences_in_a_microbatch(recompute):
-    """What the search computes for one sequence and multiplies by the micro-batch size."""
+    """The activations the search computes for one sequence and multiplies by the micro-batch size
+    (FLOPs scale alike)."""
     from trainer.plan.memory import activation_terms, pipeline_buffer_term
     from trainer.plan.terms import total
 
@@ -260,6 +347,7 @@ def test_a_batch_no_layout_can_split_says_so():
         (({"preset": "llama3-70b"}, H100_64, 512), {"seq_len": 2**21}, "model.seq_len"),
         (({"preset": "llama3-70b"}, H100_64, 512), {"precision": "fp16"}, "precision"),
         (({"preset": "llama3-70b"}, H100_64, 512), {"gpus": 65}, "gpus"),
+        (({"preset": "llama3-70b"}, H100_64, 512), {"runnable_only": "yes"}, "runnable_only"),
         (({"preset": "gpt-5"}, H100_64, 512), {}, "model.preset"),
         (({"layers": 0}, H100_64, 512), {}, "model.layers"),
         (("llama3-70b", H100_64, 512), {}, "model"),
@@ -287,8 +375,9 @@ def test_a_part_of_the_cluster_can_be_searched():
 
 
 def test_a_summary_names_every_choice_that_is_not_the_default():
-    interleaved = Candidate(8, 1, 4, PipelineChoice("Interleaved1F1B", 2, 8), DataChoice(1, 2, 3, 1, True),
-                            "selective", 32)
+    interleaved = Candidate(
+        8, 1, 4, PipelineChoice("Interleaved1F1B", 2, 8), DataChoice(1, 2, 3, 1, True), "selective", 32
+    )
     assert summarize(interleaved) == "tp8 pp4 Interleaved1F1B×2 m8 dp_shard2 selective"
     hybrid = Candidate(4, 2, 1, PipelineChoice("1F1B", 1, 1), DataChoice(2, 4, 3, 1, False), "none", 4)
     assert summarize(hybrid) == "tp4 cp2 dp_replicate2 dp_shard4 no-reshard"
@@ -297,8 +386,10 @@ def test_a_summary_names_every_choice_that_is_not_the_default():
 
 
 def test_the_search_and_the_exporters_import_without_torch():
-    code = ("import sys, trainer.plan.search, trainer.plan.export, trainer.plan.__main__; "
-            "print(sorted(name for name in ('torch', 'numpy') if name in sys.modules))")
+    code = (
+        "import sys, trainer.plan.search, trainer.plan.export, trainer.plan.__main__; "
+        "print(sorted(name for name in ('torch', 'numpy') if name in sys.modules))"
+    )
     answer = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert answer.returncode == 0, answer.stderr
     assert answer.stdout.strip() == "[]"

@@ -110,6 +110,18 @@ def test_search_ranks_layouts_and_marks_the_pareto_front(client, token):
     assert found["pareto"] and found["evaluated"] >= found["valid"] >= found["fitting"] > 0
 
 
+def test_search_keeps_only_what_the_trainer_runs_when_asked(client, token):
+    body = {"model": TINY_MODEL, "cluster": ONE_H100_NODE, "global_batch": 16, "limit": 5}
+    every = post(client, "/api/plan/search", body, token).json()
+    assert not all(result["runnable"] for result in every["results"])
+    response = post(client, "/api/plan/search", {**body, "runnable_only": True}, token)
+    assert response.status_code == 200, response.content
+    runnable = response.json()
+    assert runnable["results"] and all(result["runnable"] for result in runnable["results"] + runnable["pareto"])
+    refused = field_errors(post(client, "/api/plan/search", {**body, "runnable_only": "yes"}, token))
+    assert set(refused) == {"runnable_only"}
+
+
 def test_search_refuses_bad_request_fields(client, token):
     body = {"model": TINY_MODEL, "cluster": ONE_H100_NODE, "global_batch": 0, "precision": "fp4"}
     errors = field_errors(post(client, "/api/plan/search", body, token))

@@ -3,7 +3,7 @@
     python -m trainer.plan estimate CONFIG.json [--cluster CLUSTER.json | --gpu H100-SXM --nodes 8 --gpus-per-node 8]
                                     [--json]
     python -m trainer.plan search --model llama3-70b|MODEL.json --gpu H100-SXM --nodes 8 --global-batch 512
-                                  [--seq-len N] [--precision bf16] [--limit 10] [--json]
+                                  [--seq-len N] [--precision bf16] [--limit 10] [--runnable-only] [--json]
     python -m trainer.plan export CONFIG.json --format torchtitan|megatron
 
 CONFIG.json is a run-config document (a model preset allowed: {"model": {"preset": "llama3-70b"}});
@@ -53,13 +53,22 @@ def parser() -> argparse.ArgumentParser:
     estimating.set_defaults(run=run_estimate)
 
     searching = commands.add_parser("search", help="the fastest layouts that fit, and the memory/speed frontier")
-    searching.add_argument("--model", required=True, metavar="PRESET|MODEL.json",
-                           help=f"a preset ({', '.join(MODEL_PRESETS)}) or a JSON model section")
+    searching.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET|MODEL.json",
+        help=f"a preset ({', '.join(MODEL_PRESETS)}) or a JSON model section",
+    )
     add_cluster_arguments(searching)
     searching.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     searching.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
     searching.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp32"))
     searching.add_argument("--limit", type=int, default=10, help="how many of the fastest layouts to list")
+    searching.add_argument(
+        "--runnable-only",
+        action="store_true",
+        help="only layouts loom's trainer runs today (no ZeRO-1/2, fp8 or mixture of experts)",
+    )
     searching.add_argument("--json", action="store_true", help="print the search result as JSON")
     searching.set_defaults(run=run_search)
 
@@ -116,14 +125,24 @@ def run_estimate(arguments: argparse.Namespace) -> str:
 def describe_estimate(result: Estimate) -> str:
     layout, cluster = result.layout, result.cluster
     parallel = layout.parallel
-    header = (f"{parallel.world_size} of {cluster.world_size} × {cluster.gpu} ({cluster.nodes} node(s) × "
-              f"{cluster.gpus_per_node}); tp {parallel.tp}, cp {parallel.cp}, pp {parallel.pp} "
-              f"({parallel.pp_schedule if parallel.pp > 1 else 'no pipeline'}), dp_replicate "
-              f"{parallel.dp_replicate} × dp_shard {parallel.dp_shard}, ZeRO-{parallel.zero}, recompute "
-              f"{layout.config.compute.recompute}, {layout.precision}; {layout.global_batch} sequences × "
-              f"{layout.model.seq_len} tokens a step")
-    return "\n\n".join([header, memory_table(result), time_table(result), throughput_lines(result),
-                        comm_table(result), warning_lines(result)])
+    header = (
+        f"{parallel.world_size} of {cluster.world_size} × {cluster.gpu} ({cluster.nodes} node(s) × "
+        f"{cluster.gpus_per_node}); tp {parallel.tp}, cp {parallel.cp}, pp {parallel.pp} "
+        f"({parallel.pp_schedule if parallel.pp > 1 else 'no pipeline'}), dp_replicate "
+        f"{parallel.dp_replicate} × dp_shard {parallel.dp_shard}, ZeRO-{parallel.zero}, recompute "
+        f"{layout.config.compute.recompute}, {layout.precision}; {layout.global_batch} sequences × "
+        f"{layout.model.seq_len} tokens a step"
+    )
+    return "\n\n".join(
+        [
+            header,
+            memory_table(result),
+            time_table(result),
+            throughput_lines(result),
+            comm_table(result),
+            warning_lines(result),
+        ]
+    )
 
 
 def memory_table(result: Estimate) -> str:
@@ -133,8 +152,9 @@ def memory_table(result: Estimate) -> str:
         shown = sorted({0, result.peak.pp_rank, len(ranks) - 1})
         ranks = [ranks[index] for index in shown]
     names = list(dict.fromkeys(term.name for rank in ranks for term in rank.terms))
-    rows = [[name] + [gib(next((t.value for t in rank.terms if t.name == name), None)) for rank in ranks]
-            for name in names]
+    rows = [
+        [name] + [gib(next((t.value for t in rank.terms if t.name == name), None)) for rank in ranks] for name in names
+    ]
     rows.append(["allocated"] + [gib(rank.allocated_bytes) for rank in ranks])
     rows.append(["device (allocator margin, CUDA context)"] + [gib(rank.device_bytes) for rank in ranks])
     capacity = result.cluster.gpu_type.memory_bytes
@@ -150,13 +170,17 @@ def time_table(result: Estimate) -> str:
 
 
 def throughput_lines(result: Estimate) -> str:
-    return (f"Throughput: {result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}, "
-            f"pipeline bubble {result.bubble_fraction:.1%} of compute")
+    return (
+        f"Throughput: {result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}, "
+        f"pipeline bubble {result.bubble_fraction:.1%} of compute"
+    )
 
 
 def comm_table(result: Estimate) -> str:
-    rows = [[kind, f"{entry['sent_bytes'] / GIB:,.2f}", f"{entry['time_s']:,.3f}", f"{entry['exposed_s']:,.3f}"]
-            for kind, entry in result.comm_by_kind().items()]
+    rows = [
+        [kind, f"{entry['sent_bytes'] / GIB:,.2f}", f"{entry['time_s']:,.3f}", f"{entry['exposed_s']:,.3f}"]
+        for kind, entry in result.comm_by_kind().items()
+    ]
     if not rows:
         return "Communication: none"
     header = ["kind", "sent GiB", "time s", "exposed s"]
@@ -173,36 +197,54 @@ def warning_lines(result: Estimate) -> str:
 
 
 def run_search(arguments: argparse.Namespace) -> str:
-    result = search(model_of(arguments.model), cluster_of(arguments), arguments.global_batch,
-                    seq_len=arguments.seq_len, precision=arguments.precision, limit=arguments.limit)
+    result = search(
+        model_of(arguments.model),
+        cluster_of(arguments),
+        arguments.global_batch,
+        seq_len=arguments.seq_len,
+        precision=arguments.precision,
+        limit=arguments.limit,
+        runnable_only=arguments.runnable_only,
+    )
     if arguments.json:
         return json.dumps(result.to_json(), indent=2)
     return describe_search(result)
 
 
 def describe_search(result: SearchResult) -> str:
-    counts = (f"{result.evaluated:,} layouts evaluated, {result.valid:,} valid, {result.fitting:,} fit, "
-              f"{result.timed:,} timed exactly, in {result.seconds:.2f} s")
+    counts = (
+        f"{result.evaluated:,} layouts evaluated, {result.valid:,} valid, {result.fitting:,} fit, "
+        f"{result.timed:,} timed exactly, in {result.seconds:.2f} s"
+    )
     if result.message:
         return f"{counts}\n{result.message}"
     places = {id(found): place for place, found in enumerate(result.results, start=1)}
     fastest = [search_row(str(place), found) for place, found in enumerate(result.results, start=1)]
     front = [search_row(str(places.get(id(found), "")), found) for found in result.pareto]
-    return "\n\n".join([
-        counts,
-        "Fastest layouts that fit\n" + table(SEARCH_COLUMNS, fastest),
-        "Pareto frontier: less memory costs speed\n" + table(SEARCH_COLUMNS, front),
-        "runnable: whether loom's trainer runs the layout today (it plans ZeRO-1/2, fp8 and MoE only)",
-    ])
+    return "\n\n".join(
+        [
+            counts,
+            "Fastest layouts that fit\n" + table(SEARCH_COLUMNS, fastest),
+            "Pareto frontier: less memory costs speed\n" + table(SEARCH_COLUMNS, front),
+            "runnable: whether loom's trainer runs the layout today (it plans ZeRO-1/2, fp8 and MoE only)",
+        ]
+    )
 
 
 SEARCH_COLUMNS = ["rank", "layout", "tokens/s", "MFU", "step s", "peak GiB", "bubble", "runnable"]
 
 
 def search_row(rank: str, found: Found) -> list[str]:
-    return [rank, found.summary, f"{found.tokens_per_s:,.0f}", f"{found.mfu:.1%}", f"{found.step_s:.3f}",
-            f"{found.peak_bytes / GIB:.1f}", f"{found.bubble_fraction:.1%}",
-            "yes" if found.runnable else "no"]
+    return [
+        rank,
+        found.summary,
+        f"{found.tokens_per_s:,.0f}",
+        f"{found.mfu:.1%}",
+        f"{found.step_s:.3f}",
+        f"{found.peak_bytes / GIB:.1f}",
+        f"{found.bubble_fraction:.1%}",
+        "yes" if found.runnable else "no",
+    ]
 
 
 # ---- export ----
@@ -230,14 +272,19 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     numeric = [all(is_number(row[column]) for row in rows) for column in columns]
 
     def line(cells: list[str]) -> str:
-        return "  " + "  ".join(cell.rjust(widths[column]) if numeric[column] else cell.ljust(widths[column])
-                                for column, cell in enumerate(cells)).rstrip()
+        return (
+            "  "
+            + "  ".join(
+                cell.rjust(widths[column]) if numeric[column] else cell.ljust(widths[column])
+                for column, cell in enumerate(cells)
+            ).rstrip()
+        )
 
     return "\n".join(line(row) for row in [header, *rows])
 
 
 def is_number(cell: str) -> bool:
-    """"1,234.5", "37.5%", "" (a term a rank does not have)."""
+    """ "1,234.5", "37.5%", "" (a term a rank does not have)."""
     return not cell or cell.replace(",", "").replace(".", "", 1).rstrip("%").isdigit()
 
 

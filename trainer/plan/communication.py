@@ -22,6 +22,8 @@ from trainer.plan.hardware import LINK_EFFICIENCY, ClusterSpec
 from trainer.plan.layout import Layout
 
 PLACEMENT = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+# Traffic between dependent matmuls inside a layer: compute never hides it.
+IN_LAYER_KINDS = ("tp", "cp", "ep")
 
 
 @dataclass(frozen=True)
@@ -167,11 +169,16 @@ def step_traffic(
         split = parallel.tp if parallel.sequence_parallel and parallel.tp > 1 else 1
         message = sbh / split
         add("pp", "send", "pp", message, 2 * m * layout.stages_per_rank, "activations forward, gradients backward")
+    time_traffic(traffic, cluster)
+    return traffic
+
+
+def time_traffic(traffic: list[Traffic], cluster: ClusterSpec) -> None:
+    """Fill in time_s: every call of each collective on its link."""
     for item in traffic:
         item.time_s = (
             collective_time(item.op, item.group_size, item.buffer_bytes, cluster, item.inter_node) * item.calls
         )
-    return traffic
 
 
 def data_parallel_traffic(layout: Layout, group: dict[str, Group], gpn: int, elements: int, c: int) -> list[Traffic]:
@@ -268,7 +275,7 @@ def expose(traffic: list[Traffic], forward_s: float, backward_s: float, rank_lay
     """Fill in exposed_s: what compute cannot hide (see the module docstring)."""
     layers = max(rank_layers, 1)
     for item in traffic:
-        if item.kind in ("tp", "cp", "ep"):
+        if item.kind in IN_LAYER_KINDS:
             item.exposed_s = item.time_s
         elif item.kind == "pp":
             per_message = item.time_s / item.calls

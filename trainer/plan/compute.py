@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from trainer.config import ModelConfig
 from trainer.plan.hardware import ClusterSpec
 from trainer.plan.layout import Layout
-from trainer.plan.parameters import ParameterTensor, stage_layers, stage_tensors, stages_of_rank
+from trainer.plan.parameters import ParameterTensor, held_layers, held_tensors
 
 
 def _matmul_elements(tensors: list[ParameterTensor], model: ModelConfig) -> float:
@@ -28,13 +28,12 @@ def _matmul_elements(tensors: list[ParameterTensor], model: ModelConfig) -> floa
         if tensor.name == "embedding.weight" or len(tensor.shape) == 1:
             continue
         share = model.top_k / model.experts if tensor.expert else 1
-        elements += tensor.elements * share
+        elements += tensor.copies * tensor.elements * share
     return elements
 
 
 def model_flops_per_token(model: ModelConfig) -> float:
-    tensors = stage_tensors(model, 1, 0)
-    matmul = _matmul_elements(tensors, model)
+    matmul = _matmul_elements(held_tensors(model, 1, [0]), model)
     if model.tie_embeddings:
         matmul += model.vocab * model.dim
     return 6 * matmul + 12 * model.layers * model.dim * model.seq_len
@@ -77,10 +76,9 @@ def seconds_per_flop(layout: Layout, cluster: ClusterSpec) -> float:
 def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> RankCompute:
     """One microbatch through these global stages (a pipeline rank's, or a single one)."""
     model, parallel = layout.model, layout.parallel
-    tensors = [t for stage in stages for t in stage_tensors(model, layout.total_stages, stage)]
     tokens = layout.micro_seqs * layout.local_seq
-    layers = sum(len(stage_layers(model, layout.total_stages, stage)) for stage in stages)
-    matmul = _matmul_elements(tensors, model) / parallel.tp
+    layers = held_layers(model, layout.total_stages, stages)
+    matmul = _matmul_elements(held_tensors(model, layout.total_stages, stages), model) / parallel.tp
     if model.tie_embeddings and layout.total_stages == 1:
         matmul += model.vocab * model.dim / parallel.tp
     attention = layers * model.dim * model.seq_len / parallel.tp
@@ -95,7 +93,3 @@ def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> R
     else:
         repeated = 0.0
     return RankCompute(forward, 2 * forward, repeated, 3 * forward, seconds_per_flop(layout, cluster))
-
-
-def rank_compute(layout: Layout, cluster: ClusterSpec, pp_rank: int) -> RankCompute:
-    return stages_compute(layout, cluster, stages_of_rank(layout.parallel, pp_rank))

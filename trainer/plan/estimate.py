@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainer.config import ConfigError, RunConfig, parse_config
-from trainer.plan.communication import Traffic, expose, groups, step_traffic
-from trainer.plan.compute import RankCompute, model_flops_per_token, rank_compute, stages_compute
+from trainer.plan.communication import IN_LAYER_KINDS, Traffic, expose, groups, step_traffic
+from trainer.plan.compute import RankCompute, model_flops_per_token, stages_compute
 from trainer.plan.hardware import ClusterSpec, parse_cluster
 from trainer.plan.layout import Layout
-from trainer.plan.memory import RankMemory, memory_per_rank, state_elements
-from trainer.plan.parameters import rank_tensors, stage_layers, stages_of_rank, total_parameters
+from trainer.plan.memory import RankMemory, memory_per_rank, rank_state_elements, state_elements
+from trainer.plan.parameters import RankHolding, rank_holding, stages_of_rank, total_parameters
 from trainer.plan.presets import with_preset
 from trainer.plan.schedule import Timeline, closed_form_bubble, simulate
 from trainer.plan.terms import Term, count
@@ -33,6 +33,16 @@ class RankTime:
     def exposed(self, kinds: tuple[str, ...]) -> float:
         return sum(item.exposed_s for item in self.traffic if item.kind in kinds)
 
+    def busy_s(self, microbatches: int) -> float:
+        """Every microbatch's compute and the in-layer communication between its matmuls: the rank's
+        work that the pipeline schedule lays out."""
+        return microbatches * self.compute.total_s + self.exposed(IN_LAYER_KINDS)
+
+
+def most_exposed_s(ranks: list[RankTime], kinds: tuple[str, ...]) -> float:
+    """The exposed communication of `kinds` on the rank that exposes most: the one the step waits for."""
+    return max(rank.exposed(kinds) for rank in ranks)
+
 
 @dataclass
 class Estimate:
@@ -41,13 +51,11 @@ class Estimate:
     memory: list[RankMemory]
     ranks: list[RankTime]
     time_terms: list[Term]
+    step_s: float
+    """`step_seconds` of the parts time_terms show."""
     bubble_fraction: float
     timeline: Timeline | None
     warnings: list[dict] = field(default_factory=list)
-
-    @property
-    def step_s(self) -> float:
-        return sum(term.value for term in self.time_terms)
 
     @property
     def tokens_per_s(self) -> float:
@@ -183,7 +191,7 @@ def estimate_layout(layout: Layout, cluster: ClusterSpec, *, timeline: bool = Tr
     parallel = layout.parallel
     memory = memory_per_rank(layout)
     ranks = [rank_time(layout, cluster, pp_rank) for pp_rank in range(parallel.pp)]
-    busy = [layout.microbatches * rank.compute.total_s + rank.exposed(("tp", "cp", "ep")) for rank in ranks]
+    busy = [rank.busy_s(layout.microbatches) for rank in ranks]
     drawn = simulate_step(layout, cluster, ranks, busy) if timeline and parallel.pp > 1 else None
     if drawn is not None:
         pipeline_s, bubble = drawn.step_s, drawn.bubble_fraction
@@ -193,22 +201,41 @@ def estimate_layout(layout: Layout, cluster: ClusterSpec, *, timeline: bool = Tr
             if parallel.pp > 1
             else 0.0
         )
-        pipeline_s = max(busy) * (1 + bubble)
+        pipeline_s = pipeline_seconds(max(busy), bubble)
     slowest = max(range(parallel.pp), key=lambda r: busy[r])
-    terms = time_terms(layout, cluster, ranks, busy, slowest, pipeline_s, bubble)
-    result = Estimate(layout, cluster, memory, ranks, terms, bubble, drawn)
+    data_parallel_s, pipeline_p2p_s = most_exposed_s(ranks, ("dp",)), most_exposed_s(ranks, ("pp",))
+    optimizer = optimizer_term(layout, cluster)
+    terms = time_terms(layout, ranks[slowest], busy[slowest], pipeline_s, bubble, data_parallel_s, pipeline_p2p_s)
+    step_s = step_seconds(pipeline_s, data_parallel_s, pipeline_p2p_s, optimizer.value)
+    result = Estimate(layout, cluster, memory, ranks, terms + [optimizer], step_s, bubble, drawn)
     result.warnings = warnings(result)
     return result
 
 
+def pipeline_seconds(busiest_s: float, bubble: float) -> float:
+    """The pipeline's part of a step by the closed-form bubble: the busiest rank's work, stretched."""
+    return busiest_s * (1 + bubble)
+
+
+def step_seconds(pipeline_s: float, data_parallel_s: float, pipeline_p2p_s: float, optimizer_s: float) -> float:
+    """A step: the pipeline's part, then the data-parallel and pipeline communication that compute does
+    not hide (each on the rank that exposes most), then the optimizer step."""
+    return pipeline_s + data_parallel_s + pipeline_p2p_s + optimizer_s
+
+
 def rank_time(layout: Layout, cluster: ClusterSpec, pp_rank: int) -> RankTime:
-    parallel, model = layout.parallel, layout.model
-    compute = rank_compute(layout, cluster, pp_rank)
-    stages = stages_of_rank(parallel, pp_rank)
-    layers = sum(len(stage_layers(model, layout.total_stages, stage)) for stage in stages)
-    elements = state_elements(layout, rank_tensors(model, parallel, pp_rank)).unsharded
-    traffic = step_traffic(layout, cluster, elements, layers, 0 in stages, layout.total_stages - 1 in stages)
-    expose(traffic, compute.forward_s, compute.backward_s, layers, parallel.pp)
+    held = rank_holding(layout.model, layout.parallel, pp_rank)
+    compute = stages_compute(layout, cluster, held.stages)
+    return rank_time_from(layout, cluster, pp_rank, held, compute, state_elements(layout, held.tensors).unsharded)
+
+
+def rank_time_from(
+    layout: Layout, cluster: ClusterSpec, pp_rank: int, held: RankHolding, compute: RankCompute, unsharded: int
+) -> RankTime:
+    """A pipeline rank's traffic and what of it compute hides, from what the rank holds (`unsharded`:
+    its parameters before ZeRO/FSDP sharding) and computes."""
+    traffic = step_traffic(layout, cluster, unsharded, held.layers, held.holds_embedding, held.holds_output)
+    expose(traffic, compute.forward_s, compute.backward_s, held.layers, layout.parallel.pp)
     return RankTime(pp_rank, compute, traffic)
 
 
@@ -233,57 +260,64 @@ def simulate_step(layout: Layout, cluster: ClusterSpec, ranks: list[RankTime], b
 
 def time_terms(
     layout: Layout,
-    cluster: ClusterSpec,
-    ranks: list[RankTime],
-    busy: list[float],
-    slowest: int,
+    slowest: RankTime,
+    slowest_busy_s: float,
     pipeline_s: float,
     bubble: float,
+    data_parallel_s: float,
+    pipeline_p2p_s: float,
 ) -> list[Term]:
-    rank = ranks[slowest]
+    """The step's parts before the optimizer's: the slowest rank's compute, its in-layer communication
+    and the bubble (together the pipeline's part), then the exposed data-parallel and pipeline traffic."""
     m = layout.microbatches
-    compute_s = m * rank.compute.total_s
-    in_layer_comm = busy[slowest] - compute_s
+    compute_s = m * slowest.compute.total_s
     terms = [
         Term(
             "compute",
             compute_s,
-            f"{m} microbatch(es) × (forward + backward{' + recompute' if rank.compute.recompute_flops else ''}) "
-            f"FLOPs × {rank.compute.seconds_per_flop:.3e} s/FLOP (pipeline rank {slowest})",
+            f"{m} microbatch(es) × (forward + backward{' + recompute' if slowest.compute.recompute_flops else ''}) "
+            f"FLOPs × {slowest.compute.seconds_per_flop:.3e} s/FLOP (pipeline rank {slowest.pp_rank})",
         ),
-        Term("exposed tp/cp/ep communication", in_layer_comm, "collectives between dependent matmuls, not overlapped"),
+        Term(
+            "exposed tp/cp/ep communication",
+            slowest_busy_s - compute_s,
+            "collectives between dependent matmuls, not overlapped",
+        ),
     ]
     if layout.parallel.pp > 1:
         terms.append(
             Term(
                 "pipeline bubble",
-                pipeline_s - busy[slowest],
+                pipeline_s - slowest_busy_s,
                 f"{layout.parallel.pp_schedule}: bubble fraction {bubble:.3f} of compute "
                 f"(p={layout.parallel.pp}, m={m}, v={layout.stages_per_rank})",
             )
         )
-    data_parallel = max(r.exposed(("dp",)) for r in ranks)
     terms.append(
         Term(
             "exposed data-parallel communication",
-            data_parallel,
+            data_parallel_s,
             "gradient reduction and parameter gathers beyond what backward/forward compute hides",
         )
     )
-    pipeline_p2p = max(r.exposed(("pp",)) for r in ranks)
     if layout.parallel.pp > 1:
-        terms.append(Term("exposed pipeline send/recv", pipeline_p2p, "fill and drain: 2(p − 1) messages"))
-    terms.append(optimizer_term(layout, cluster))
+        terms.append(Term("exposed pipeline send/recv", pipeline_p2p_s, "fill and drain: 2(p − 1) messages"))
     return terms
 
 
-def optimizer_term(layout: Layout, cluster: ClusterSpec) -> Term:
-    elements = max(
-        state_elements(layout, rank_tensors(layout.model, layout.parallel, r)).optimizer
-        for r in range(layout.parallel.pp)
-    )
+def optimizer_seconds(elements: int, layout: Layout, cluster: ClusterSpec) -> float:
+    """AdamW's step over `elements` parameters: bound by HBM bandwidth, or on the CPU when offloaded
+    (with the gradients copied over PCIe)."""
     if layout.config.optimizer.offload:
-        seconds = elements * (OPTIMIZER_BYTES_PER_PARAMETER / CPU_OPTIMIZER_BANDWIDTH + 4 / PCIE_BANDWIDTH)
+        return elements * (OPTIMIZER_BYTES_PER_PARAMETER / CPU_OPTIMIZER_BANDWIDTH + 4 / PCIE_BANDWIDTH)
+    return elements * OPTIMIZER_BYTES_PER_PARAMETER / cluster.gpu_type.memory_bandwidth
+
+
+def optimizer_term(layout: Layout, cluster: ClusterSpec) -> Term:
+    """The optimizer step of the pipeline rank that updates most parameters."""
+    elements = max(rank_state_elements(layout, r).optimizer for r in range(layout.parallel.pp))
+    seconds = optimizer_seconds(elements, layout, cluster)
+    if layout.config.optimizer.offload:
         return Term(
             "optimizer step",
             seconds,
@@ -293,7 +327,7 @@ def optimizer_term(layout: Layout, cluster: ClusterSpec) -> Term:
     bandwidth = cluster.gpu_type.memory_bandwidth
     return Term(
         "optimizer step",
-        elements * OPTIMIZER_BYTES_PER_PARAMETER / bandwidth,
+        seconds,
         f"{OPTIMIZER_BYTES_PER_PARAMETER} B × {count(elements)} parameters / {bandwidth / 1e12:g} TB/s HBM",
     )
 

@@ -30,11 +30,8 @@ from __future__ import annotations
 
 import math
 
-from trainer.config import ConfigError, RunConfig
+from trainer.config import NORM_EPS, ROPE_BASE, ConfigError, RunConfig
 
-# trainer/model.py's rotary base and RMSNorm epsilon (that module imports torch, this one must not).
-ROPE_BASE = 10_000.0
-NORM_EPS = 1e-5
 MEGATRON_SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 
@@ -70,26 +67,47 @@ def to_torchtitan_toml(config: RunConfig) -> str:
     sections = [
         ("job", [], [("description", "exported from loom")]),
         ("model", *torchtitan_model(config)),
-        ("optimizer", ["loom leaves norm weights out of weight decay; torchtitan decays every parameter"],
-         torchtitan_optimizer(config)),
-        ("lr_scheduler", [], [("warmup_steps", config.optimizer.warmup_steps), ("decay_type", "cosine"),
-                              ("min_lr_factor", config.optimizer.min_lr_ratio)]),
-        ("training", ["loom trains on the Python standard library's sources (data.corpus): set dataset or "
-                      "dataset_path to yours"], torchtitan_training(config)),
+        (
+            "optimizer",
+            ["loom leaves norm weights out of weight decay; torchtitan decays every parameter"],
+            torchtitan_optimizer(config),
+        ),
+        (
+            "lr_scheduler",
+            [],
+            [
+                ("warmup_steps", config.optimizer.warmup_steps),
+                ("decay_type", "cosine"),
+                ("min_lr_factor", config.optimizer.min_lr_ratio),
+            ],
+        ),
+        (
+            "training",
+            [
+                "loom trains on the Python standard library's sources (data.corpus): set dataset or "
+                "dataset_path to yours"
+            ],
+            torchtitan_training(config),
+        ),
         ("parallelism", torchtitan_parallelism_notes(config), torchtitan_parallelism(config)),
         ("activation_checkpoint", *torchtitan_recompute(config)),
-        ("compile", ["loom compiles each transformer block, not the loss"],
-         [("enable", config.compute.compile), ("components", ["model"])]),
+        (
+            "compile",
+            ["loom compiles each transformer block, not the loss"],
+            [("enable", config.compute.compile), ("components", ["model"])],
+        ),
     ]
     return "".join(toml_section(name, notes, items) for name, notes, items in sections)
 
 
 def torchtitan_model(config: RunConfig) -> tuple[list[str], list[tuple[str, object]]]:
     model = config.model
-    note = (f"torchtitan builds models from registered flavors: register \"loom\" in torchtitan/models/llama3 as "
-            f"TransformerModelArgs(dim={model.dim}, n_layers={model.layers}, n_heads={model.heads}, "
-            f"n_kv_heads={model.kv_heads}, vocab_size={model.vocab}, rope_theta={ROPE_BASE:g}, "
-            f"norm_eps={NORM_EPS:g}) with ffn_dim_multiplier and multiple_of giving a feed-forward size of {model.ffn}")
+    note = (
+        f'torchtitan builds models from registered flavors: register "loom" in torchtitan/models/llama3 as '
+        f"TransformerModelArgs(dim={model.dim}, n_layers={model.layers}, n_heads={model.heads}, "
+        f"n_kv_heads={model.kv_heads}, vocab_size={model.vocab}, rope_theta={ROPE_BASE:g}, "
+        f"norm_eps={NORM_EPS:g}) with ffn_dim_multiplier and multiple_of giving a feed-forward size of {model.ffn}"
+    )
     items: list[tuple[str, object]] = [("name", "llama3"), ("flavor", "loom")]
     if precision_of(config) == "fp8":
         items.append(("converters", ["float8"]))
@@ -98,8 +116,13 @@ def torchtitan_model(config: RunConfig) -> tuple[list[str], list[tuple[str, obje
 
 def torchtitan_optimizer(config: RunConfig) -> list[tuple[str, object]]:
     optimizer = config.optimizer
-    return [("name", "AdamW"), ("lr", optimizer.lr), ("beta1", optimizer.beta1), ("beta2", optimizer.beta2),
-            ("weight_decay", optimizer.weight_decay)]
+    return [
+        ("name", "AdamW"),
+        ("lr", optimizer.lr),
+        ("beta1", optimizer.beta1),
+        ("beta2", optimizer.beta2),
+        ("weight_decay", optimizer.weight_decay),
+    ]
 
 
 def torchtitan_training(config: RunConfig) -> list[tuple[str, object]]:
@@ -120,26 +143,38 @@ def torchtitan_recompute(config: RunConfig) -> tuple[list[str], list[tuple[str, 
     mode = config.compute.recompute
     if mode != "selective":
         return [], [("mode", mode)]
-    note = ("torchtitan's selective checkpointing works per operator and keeps matmul outputs; loom's "
-            "recomputes the attention sub-block")
+    note = (
+        "torchtitan's selective checkpointing works per operator and keeps matmul outputs; loom's "
+        "recomputes the attention sub-block"
+    )
     return [note], [("mode", mode), ("selective_ac_option", "op")]
 
 
 def torchtitan_refusals(config: RunConfig) -> None:
     model, parallel = config.model, config.parallel
     reasons = {
-        "model.experts": (model.experts > 1, "torchtitan's llama3 model is dense; its mixture-of-experts models "
-                                             "(llama4, deepseek_v3) are other architectures"),
+        "model.experts": (
+            model.experts > 1,
+            "torchtitan's llama3 model is dense; its mixture-of-experts models "
+            "(llama4, deepseek_v3) are other architectures",
+        ),
         "model.mlp": (model.mlp != "swiglu", "torchtitan's llama3 model uses SwiGLU; use swiglu"),
-        "model.tie_embeddings": (model.tie_embeddings, "torchtitan's llama3 model keeps the embedding and the "
-                                                       "output apart; use false"),
-        "parallel.sequence_parallel": (parallel.tp > 1 and not parallel.sequence_parallel,
-                                       "torchtitan applies sequence parallelism with every tensor-parallel "
-                                       "layout; use true"),
-        "parallel.zero_stage": (parallel.zero in (1, 2), "torchtitan shards with FSDP2, which shards parameters "
-                                                         "too (ZeRO-3); use 3, or 0 without sharding"),
-        "optimizer.offload": (config.optimizer.offload, "torchtitan's CPU offload moves parameters and gradients "
-                                                        "too, not only the optimizer states; use false"),
+        "model.tie_embeddings": (
+            model.tie_embeddings,
+            "torchtitan's llama3 model keeps the embedding and the output apart; use false",
+        ),
+        "parallel.sequence_parallel": (
+            parallel.tp > 1 and not parallel.sequence_parallel,
+            "torchtitan applies sequence parallelism with every tensor-parallel layout; use true",
+        ),
+        "parallel.zero_stage": (
+            parallel.zero in (1, 2),
+            "torchtitan shards with FSDP2, which shards parameters too (ZeRO-3); use 3, or 0 without sharding",
+        ),
+        "optimizer.offload": (
+            config.optimizer.offload,
+            "torchtitan's CPU offload moves parameters and gradients too, not only the optimizer states; use false",
+        ),
     }
     refuse(reasons)
 
@@ -174,12 +209,16 @@ def torchtitan_parallelism_notes(config: RunConfig) -> list[str]:
     parallel = config.parallel
     notes = []
     if parallel.pp > 1:
-        notes.append(f"{parallel.pp_schedule}, {parallel.stages_per_rank} stage(s) per rank of "
-                     f"{layers_per_stage(config)} layers each: the embedding and output take no layers' place, "
-                     "as in loom's even split")
+        notes.append(
+            f"{parallel.pp_schedule}, {parallel.stages_per_rank} stage(s) per rank of "
+            f"{layers_per_stage(config)} layers each: the embedding and output take no layers' place, "
+            "as in loom's even split"
+        )
     if parallel.zero == 0 and parallel.dp_replicate > 1 and parallel.world_size > parallel.dp_replicate:
-        notes.append("DDP with other parallelism: torchtitan versions before late 2025 refuse it "
-                     "(\"DDP has not supported > 1D parallelism\")")
+        notes.append(
+            "DDP with other parallelism: torchtitan versions before late 2025 refuse it "
+            '("DDP has not supported > 1D parallelism")'
+        )
     return notes
 
 
@@ -216,12 +255,15 @@ def to_megatron_args(config: RunConfig) -> list[str]:
 def megatron_refusals(config: RunConfig) -> None:
     parallel = config.parallel
     reasons = {
-        "parallel.pp_schedule": (parallel.pp > 1 and parallel.pp_schedule not in MEGATRON_SCHEDULES,
-                                 f"Megatron-LM runs 1F1B and interleaved 1F1B only, not {parallel.pp_schedule}; "
-                                 "use 1F1B or Interleaved1F1B"),
-        "parallel.dp_replicate": (parallel.zero in (2, 3) and parallel.dp_replicate > 1,
-                                  "Megatron-LM's FSDP shards over the whole data-parallel group; use dp_replicate 1, "
-                                  "or ZeRO-1 (its distributed optimizer shards per replica)"),
+        "parallel.pp_schedule": (
+            parallel.pp > 1 and parallel.pp_schedule not in MEGATRON_SCHEDULES,
+            f"Megatron-LM runs 1F1B and interleaved 1F1B only, not {parallel.pp_schedule}; use 1F1B or Interleaved1F1B",
+        ),
+        "parallel.dp_replicate": (
+            parallel.zero in (2, 3) and parallel.dp_replicate > 1,
+            "Megatron-LM's FSDP shards over the whole data-parallel group; use dp_replicate 1, "
+            "or ZeRO-1 (its distributed optimizer shards per replica)",
+        ),
         "optimizer.offload": (config.optimizer.offload, "not mapped to Megatron-LM's optimizer offload; use false"),
     }
     refuse(reasons)

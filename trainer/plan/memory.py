@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from trainer.plan.activations import Shape, kept, layer_bytes, loom_layer
 from trainer.plan.layout import Layout
-from trainer.plan.parameters import ParameterTensor, local_elements, rank_tensors, stage_layers, stages_of_rank
+from trainer.plan.parameters import ParameterTensor, held_layers, local_elements, rank_holding, stages_of_rank
 from trainer.plan.terms import Term, count, total
 
 GIB = 2**30
@@ -72,12 +72,25 @@ class StateElements:
 
 
 def state_elements(layout: Layout, tensors: list[ParameterTensor], shard_index: int = 0) -> StateElements:
+    """What a rank holding `tensors` (by name or by kind) keeps of each; shard_index picks its FSDP chunk."""
     parallel, zero = layout.parallel, layout.parallel.zero
+    whole = chunked = 0
+    for tensor in tensors:
+        whole += tensor.copies * local_elements(tensor, parallel, False, shard_index)
+        chunked += tensor.copies * local_elements(tensor, parallel, True, shard_index)
 
-    def local(sharded: bool) -> int:
-        return sum(local_elements(tensor, parallel, sharded, shard_index) for tensor in tensors)
+    def sharded_from(stage: int) -> int:
+        """Elements of a state that ZeRO shards from this stage on."""
+        return chunked if zero >= stage else whole
 
-    return StateElements(local(zero >= 3), local(zero >= 2), local(zero >= 1), len(tensors), local(False))
+    return StateElements(
+        sharded_from(3), sharded_from(2), sharded_from(1), sum(tensor.copies for tensor in tensors), whole
+    )
+
+
+def rank_state_elements(layout: Layout, pp_rank: int, shard_index: int = 0) -> StateElements:
+    """`state_elements` of what pipeline rank `pp_rank` holds."""
+    return state_elements(layout, rank_holding(layout.model, layout.parallel, pp_rank).tensors, shard_index)
 
 
 def model_state_terms(layout: Layout, elements: StateElements) -> list[Term]:
@@ -116,9 +129,7 @@ def model_state_terms(layout: Layout, elements: StateElements) -> list[Term]:
 def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[Term]:
     """Working copies of parameters and gradients that communication and mixed precision need."""
     parallel, c = layout.parallel, layout.compute_bytes
-    rank_layers = sum(
-        len(stage_layers(layout.model, layout.total_stages, stage)) for stage in stages_of_rank(parallel, pp_rank)
-    )
+    rank_layers = held_layers(layout.model, layout.total_stages, stages_of_rank(parallel, pp_rank))
     terms = []
     if parallel.zero == 3 and parallel.sharding_ranks > 1:
         per_layer = elements.unsharded / max(rank_layers, 1)
@@ -173,7 +184,7 @@ def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
     tensors = loom_layer(shape, model, layout.activation_bytes, layout.matmul_input_bytes, model.seq_len)
     recompute, tp, sp = layout.config.compute.recompute, parallel.tp, parallel.sequence_parallel and parallel.tp > 1
     stages = stages_of_rank(parallel, pp_rank)
-    layers = sum(len(stage_layers(model, layout.total_stages, stage)) for stage in stages)
+    layers = held_layers(model, layout.total_stages, stages)
     held = in_flight_microbatches(layout, pp_rank)
     per_layer = layer_bytes(tensors, recompute, tp, sp)
     mode = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}[recompute]
@@ -226,6 +237,12 @@ def pipeline_buffer_term(layout: Layout) -> list[Term]:
     ]
 
 
+def device_bytes(allocated: float) -> float:
+    """What the GPU must have for a peak of `allocated` tensor bytes: the allocator's margin and the
+    CUDA context on top."""
+    return allocated * (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES
+
+
 @dataclass(frozen=True)
 class RankMemory:
     pp_rank: int
@@ -239,8 +256,7 @@ class RankMemory:
 
     @property
     def device_bytes(self) -> float:
-        """What the GPU must have: the peak with the allocator's margin and the CUDA context."""
-        return self.allocated_bytes * (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES
+        return device_bytes(self.allocated_bytes)
 
     def to_json(self) -> dict:
         return {
@@ -253,7 +269,7 @@ class RankMemory:
 
 
 def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
-    elements = state_elements(layout, rank_tensors(layout.model, layout.parallel, pp_rank))
+    elements = rank_state_elements(layout, pp_rank)
     terms = model_state_terms(layout, elements)
     terms += buffer_terms(layout, pp_rank, elements)
     terms += activation_terms(layout, pp_rank)
@@ -280,7 +296,7 @@ def state_bytes_of_rank(layout: Layout, rank: int) -> dict[str, int]:
     step (parameter_bytes, gradient_bytes, optimizer_bytes): FSDP's uneven chunks included."""
     where = rank_coordinates(layout.parallel, rank)
     shard_index = where["dp_shard"] * layout.parallel.cp + where["cp"]
-    elements = state_elements(layout, rank_tensors(layout.model, layout.parallel, where["pp"]), shard_index)
+    elements = rank_state_elements(layout, where["pp"], shard_index)
     terms = {term.name: int(term.value) for term in model_state_terms(layout, elements)}
     return {
         "parameter_bytes": terms["parameters"],

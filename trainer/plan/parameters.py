@@ -5,12 +5,16 @@ Shapes follow trainer/model.py (nn.Linear weights are [out, in]); tensor paralle
 trainer/parallel/tensor.py (q/k/v, w1/w3 and the output split by rows, wo and w2 by columns,
 the embedding by vocabulary rows, norms replicated); FSDP2 then cuts dim 0 of each tensor-parallel
 shard into sharding_ranks chunks the way torch.chunk does (ceil-sized, the last ones shorter or empty).
+
+Every block holds the same tensors, so what a rank holds is priced per kind of tensor (`held_tensors`:
+each of a block's tensors once, with the number of blocks as its copies) rather than per layer.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 from trainer.config import V_SCHEDULES, ModelConfig, ParallelConfig
 
@@ -23,41 +27,46 @@ class ParameterTensor:
     """The dim tensor parallelism splits, or None where every tp rank holds it whole."""
     expert: bool = False
     """One slice per expert along dim 0, which expert parallelism splits."""
+    copies: int = 1
+    """Identical tensors this one stands for: the blocks held, where a list is by kind (`held_tensors`)."""
 
     @property
     def elements(self) -> int:
         return math.prod(self.shape)
 
 
-def block_tensors(model: ModelConfig, layer: int) -> list[ParameterTensor]:
+def block_tensors(model: ModelConfig, layer: int | str, copies: int = 1) -> list[ParameterTensor]:
+    """One block's tensors; `layer` is its index, or "*" where they stand for `copies` blocks."""
     h, head_dim = model.dim, model.dim // model.heads
     prefix = f"blocks.{layer}"
+    tensor = partial(ParameterTensor, copies=copies)
     tensors = [
-        ParameterTensor(f"{prefix}.attention_norm.weight", (h,)),
-        ParameterTensor(f"{prefix}.attention.wq.weight", (model.heads * head_dim, h), tp_dim=0),
-        ParameterTensor(f"{prefix}.attention.wk.weight", (model.kv_heads * head_dim, h), tp_dim=0),
-        ParameterTensor(f"{prefix}.attention.wv.weight", (model.kv_heads * head_dim, h), tp_dim=0),
-        ParameterTensor(f"{prefix}.attention.wo.weight", (h, model.heads * head_dim), tp_dim=1),
-        ParameterTensor(f"{prefix}.mlp_norm.weight", (h,)),
+        tensor(f"{prefix}.attention_norm.weight", (h,)),
+        tensor(f"{prefix}.attention.wq.weight", (model.heads * head_dim, h), tp_dim=0),
+        tensor(f"{prefix}.attention.wk.weight", (model.kv_heads * head_dim, h), tp_dim=0),
+        tensor(f"{prefix}.attention.wv.weight", (model.kv_heads * head_dim, h), tp_dim=0),
+        tensor(f"{prefix}.attention.wo.weight", (h, model.heads * head_dim), tp_dim=1),
+        tensor(f"{prefix}.mlp_norm.weight", (h,)),
     ]
-    return tensors + mlp_tensors(model, f"{prefix}.mlp")
+    return tensors + mlp_tensors(model, f"{prefix}.mlp", copies)
 
 
-def mlp_tensors(model: ModelConfig, prefix: str) -> list[ParameterTensor]:
+def mlp_tensors(model: ModelConfig, prefix: str, copies: int = 1) -> list[ParameterTensor]:
     h, f = model.dim, model.ffn
+    tensor = partial(ParameterTensor, copies=copies)
     if model.experts > 1:
         e = model.experts
-        router = ParameterTensor(f"{prefix}.router.weight", (e, h))
+        router = tensor(f"{prefix}.router.weight", (e, h))
         experts = [
-            ParameterTensor(f"{prefix}.experts.w1", (e, f, h), tp_dim=1, expert=True),
-            ParameterTensor(f"{prefix}.experts.w3", (e, f, h), tp_dim=1, expert=True),
-            ParameterTensor(f"{prefix}.experts.w2", (e, h, f), tp_dim=2, expert=True),
+            tensor(f"{prefix}.experts.w1", (e, f, h), tp_dim=1, expert=True),
+            tensor(f"{prefix}.experts.w3", (e, f, h), tp_dim=1, expert=True),
+            tensor(f"{prefix}.experts.w2", (e, h, f), tp_dim=2, expert=True),
         ]
         return [router] + (experts if model.mlp == "swiglu" else [experts[0], experts[2]])
-    up = [ParameterTensor(f"{prefix}.w1.weight", (f, h), tp_dim=0)]
+    up = [tensor(f"{prefix}.w1.weight", (f, h), tp_dim=0)]
     if model.mlp == "swiglu":
-        up.append(ParameterTensor(f"{prefix}.w3.weight", (f, h), tp_dim=0))
-    return up + [ParameterTensor(f"{prefix}.w2.weight", (h, f), tp_dim=1)]
+        up.append(tensor(f"{prefix}.w3.weight", (f, h), tp_dim=0))
+    return up + [tensor(f"{prefix}.w2.weight", (h, f), tp_dim=1)]
 
 
 def stage_layers(model: ModelConfig, stages: int, stage: int) -> range:
@@ -65,19 +74,50 @@ def stage_layers(model: ModelConfig, stages: int, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def stage_tensors(model: ModelConfig, stages: int, stage: int) -> list[ParameterTensor]:
-    """What one pipeline stage holds. With tied embeddings and more than one stage, the last stage
+def held_layers(model: ModelConfig, total_stages: int, stages: list[int]) -> int:
+    """Blocks these pipeline stages hold between them: every stage holds as many (`stage_layers`)."""
+    return len(stages) * (model.layers // total_stages)
+
+
+def embedding_tensor(model: ModelConfig) -> ParameterTensor:
+    return ParameterTensor("embedding.weight", (model.vocab, model.dim), tp_dim=0)
+
+
+def last_stage_tensors(model: ModelConfig, total_stages: int) -> list[ParameterTensor]:
+    """The final norm and the output. With tied embeddings and more than one stage, the last stage
     keeps its own copy of the embedding matrix as the output (Megatron-LM does the same and
     all-reduces the two copies' gradients)."""
-    embedding = ParameterTensor("embedding.weight", (model.vocab, model.dim), tp_dim=0)
-    tensors = [embedding] if stage == 0 else []
+    tensors = [ParameterTensor("norm.weight", (model.dim,))]
+    if not model.tie_embeddings or total_stages > 1:
+        tensors.append(ParameterTensor("output.weight", (model.vocab, model.dim), tp_dim=0))
+    return tensors
+
+
+def stage_tensors(model: ModelConfig, stages: int, stage: int) -> list[ParameterTensor]:
+    """What one pipeline stage holds, every tensor by its name in trainer/model.py."""
+    tensors = [embedding_tensor(model)] if stage == 0 else []
     for layer in stage_layers(model, stages, stage):
         tensors += block_tensors(model, layer)
     if stage == stages - 1:
-        tensors.append(ParameterTensor("norm.weight", (model.dim,)))
-        if not model.tie_embeddings or stages > 1:
-            tensors.append(ParameterTensor("output.weight", (model.vocab, model.dim), tp_dim=0))
+        tensors += last_stage_tensors(model, stages)
     return tensors
+
+
+def held_tensors(model: ModelConfig, total_stages: int, stages: list[int]) -> list[ParameterTensor]:
+    """What these pipeline stages hold between them, by kind: the tensors of `stage_tensors`, each of
+    a block's tensors once with the blocks held as its copies."""
+    tensors = [embedding_tensor(model)] if 0 in stages else []
+    layers = held_layers(model, total_stages, stages)
+    if layers:
+        tensors += block_tensors(model, "*", copies=layers)
+    if total_stages - 1 in stages:
+        tensors += last_stage_tensors(model, total_stages)
+    return tensors
+
+
+def pipeline_stages(parallel: ParallelConfig) -> int:
+    """Stages the model is cut into: pp × stages_per_rank, which counts only with a pipeline (pp > 1)."""
+    return parallel.pp * (parallel.stages_per_rank if parallel.pp > 1 else 1)
 
 
 def stages_of_rank(parallel: ParallelConfig, pp_rank: int) -> list[int]:
@@ -89,11 +129,42 @@ def stages_of_rank(parallel: ParallelConfig, pp_rank: int) -> list[int]:
 
 
 def rank_tensors(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> list[ParameterTensor]:
-    stages = parallel.pp * (parallel.stages_per_rank if parallel.pp > 1 else 1)
+    """Every tensor pipeline rank `pp_rank` holds, by name."""
+    stages = pipeline_stages(parallel)
     tensors: list[ParameterTensor] = []
     for stage in stages_of_rank(parallel, pp_rank):
         tensors += stage_tensors(model, stages, stage)
     return tensors
+
+
+@dataclass(frozen=True)
+class RankHolding:
+    """What one pipeline rank holds under its layout's stage placement."""
+
+    stages: list[int]
+    layers: int
+    holds_embedding: bool
+    holds_output: bool
+    tensors: list[ParameterTensor]
+    """By kind (`held_tensors`)."""
+
+    @property
+    def signature(self) -> tuple[int, bool, bool]:
+        """Ranks that agree on it hold the same tensors and compute, send and keep the same
+        (their microbatches in flight aside)."""
+        return self.layers, self.holds_embedding, self.holds_output
+
+
+def rank_holding(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> RankHolding:
+    stages = stages_of_rank(parallel, pp_rank)
+    total_stages = pipeline_stages(parallel)
+    return RankHolding(
+        stages=stages,
+        layers=held_layers(model, total_stages, stages),
+        holds_embedding=0 in stages,
+        holds_output=total_stages - 1 in stages,
+        tensors=held_tensors(model, total_stages, stages),
+    )
 
 
 def chunk_rows(rows: int, chunks: int, index: int) -> int:
@@ -121,7 +192,7 @@ def local_elements(tensor: ParameterTensor, parallel: ParallelConfig, sharded: b
 
 def total_parameters(model: ModelConfig) -> int:
     """Every parameter once (tied embeddings counted once)."""
-    return sum(tensor.elements for tensor in stage_tensors(model, 1, 0))
+    return sum(tensor.copies * tensor.elements for tensor in held_tensors(model, 1, [0]))
 
 
 def embedding_parameters(model: ModelConfig) -> int:

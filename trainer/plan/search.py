@@ -13,19 +13,26 @@ under ZeRO-3, ep for mixture-of-experts models, and recompute none / selective /
 trainer/config.py's: each section's field rules and `cross_section_errors`; every layout returned
 is validated whole by `parse_config(runnable=False)` once more.
 
-Every figure returned is the one `estimate()` gives the returned config (timeline=False, the
-closed-form bubble). The estimate walks every tensor of every layer, milliseconds a layout, and Llama-3
-405B on 16,384 GPUs has about 200,000 valid layouts; the search prices them from parts computed
-with the planner's own functions once and shared by every layout that agrees on what the part reads:
+With runnable_only, only the layouts loom's trainer runs today: the rules add `unrunnable_errors`
+(and every layout returned is validated with `parse_config(runnable=True)`). They are applied where
+the other rules are, so an unrunnable choice (ZeRO-1/2, say) is dropped before anything is priced,
+and a model or precision the trainer does not run (mixture of experts, fp8) ends the search at once.
 
-- model states per pipeline rank (`state_elements`, `model_state_terms`, `buffer_terms`): per kind
-  of tensor, what each rank holds, tp, ep, ZeRO stage, sharding ranks and resharding;
+Every figure returned is the one `estimate()` gives the returned config (timeline=False, the
+closed-form bubble). The estimate takes about half a millisecond a layout, and Llama-3 405B on 16,384
+GPUs has about 200,000 valid layouts; the search prices them from parts computed with the estimate's
+own functions once and shared by every layout that agrees on what the part reads:
+
+- model states per pipeline rank (`state_elements`, `model_state_terms`, `buffer_terms`): per what
+  each rank holds, tp, ep, ZeRO stage, sharding ranks and resharding;
 - activations per pipeline rank (`activation_terms`, `pipeline_buffer_term`) for one sequence, times
   the micro-batch size: per tp, cp, recompute mode, layers held, loss or not, microbatches in flight;
-- FLOPs per pipeline rank (`stages_compute`) for one sequence on one tp rank, times the tokens each
-  tp rank holds;
-- communication (`step_traffic`, `data_parallel_traffic`, `expose`): the pipeline's part per layout
-  without its data-parallel split, the data-parallel part per split without the schedule.
+- FLOPs per pipeline rank (`stages_compute`): per what the rank holds, tp, cp, recompute mode and
+  sequences in a microbatch;
+- communication (`rank_time_from`, `data_parallel_traffic`, `time_traffic`, `expose`): the pipeline's
+  part per layout without its data-parallel split, the data-parallel part per split without the schedule;
+- the step time (`pipeline_seconds`, `step_seconds`, `optimizer_seconds`) and the peak memory
+  (`device_bytes`) are added up as the estimate adds them.
 
 And it prunes with properties of the cost model, each checked against the estimate in
 tests/plan/test_search.py. Memory never grows with more recompute or with more microbatches of the
@@ -61,7 +68,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from operator import add
 from typing import Any, NamedTuple
 
@@ -73,7 +80,6 @@ from trainer.config import (
     V_SCHEDULES,
     ConfigError,
     DataConfig,
-    ModelConfig,
     ParallelConfig,
     RunConfig,
     cross_section_errors,
@@ -81,30 +87,36 @@ from trainer.config import (
     parse_config,
     unrunnable_errors,
 )
-from trainer.plan.communication import collective_time, data_parallel_traffic, expose, groups, step_traffic
+from trainer.plan.communication import data_parallel_traffic, expose, groups, time_traffic
 from trainer.plan.compute import RankCompute, model_flops_per_token, stages_compute
-from trainer.plan.estimate import OPTIMIZER_BYTES_PER_PARAMETER, RankTime, parse_plan
+from trainer.plan.estimate import (
+    RankTime,
+    most_exposed_s,
+    optimizer_seconds,
+    parse_plan,
+    pipeline_seconds,
+    rank_time_from,
+    step_seconds,
+)
 from trainer.plan.hardware import GIB, ClusterSpec
 from trainer.plan.layout import Layout
 from trainer.plan.memory import (
-    ALLOCATOR_MARGIN,
-    CONTEXT_BYTES,
     StateElements,
     activation_terms,
     buffer_terms,
+    device_bytes,
     in_flight_microbatches,
     model_state_terms,
     pipeline_buffer_term,
     state_elements,
 )
-from trainer.plan.parameters import ParameterTensor, rank_tensors, stage_layers, stages_of_rank
+from trainer.plan.parameters import RankHolding, rank_holding
 from trainer.plan.schedule import closed_form_bubble
 from trainer.plan.terms import total
 
 # Leanest first: memory only grows along this order, so the first mode that fits nowhere ends it.
 RECOMPUTE_LEANEST_FIRST = ("full", "selective", "none")
 ZERO_STAGES = (0, 1, 2, 3)
-IN_LAYER_KINDS = ("tp", "cp", "ep")
 # How exact a bound on a layout's step time is, loosest first (Pricer.time_what_matters).
 FEWEST_MICROBATCHES_BOUND, DATA_PARALLEL_BOUND, EXACT = range(3)
 
@@ -197,7 +209,7 @@ class SearchResult:
 
 
 def summarize(candidate: Candidate) -> str:
-    """"tp8 pp4 Interleaved1F1B×2 m8 dp_shard2 selective": tp, then every choice that is not the default."""
+    """ "tp8 pp4 Interleaved1F1B×2 m8 dp_shard2 selective": tp, then every choice that is not the default."""
     parts = [f"tp{candidate.tp}"]
     if candidate.cp > 1:
         parts.append(f"cp{candidate.cp}")
@@ -227,13 +239,15 @@ def search(
     precision: str = "bf16",
     limit: int = 20,
     gpus: int | None = None,
+    runnable_only: bool = False,
 ) -> SearchResult:
     """The `limit` fastest layouts of `model` (a run config's model section, a preset allowed) that
-    fit on `cluster` at `global_batch` sequences a step, and the memory/throughput Pareto frontier.
+    fit on `cluster` at `global_batch` sequences a step, and the memory/throughput Pareto frontier;
+    with `runnable_only`, of the layouts loom's trainer runs today.
 
     Raises ConfigError keyed by field ("global_batch", "model.layers", "cluster.nodes", …)."""
     started = time.perf_counter()
-    space = SearchSpace.parse(model, cluster, global_batch, seq_len, precision, limit, gpus)
+    space = SearchSpace.parse(model, cluster, global_batch, seq_len, precision, limit, gpus, runnable_only)
     pricer = Pricer(space)
     timed = pricer.time_what_matters(pricer.price_memory())
     front = frontier(timed)
@@ -279,6 +293,8 @@ class SearchSpace:
     gpus: int
     global_batch: int
     limit: int
+    runnable_only: bool = False
+    """Whether the rules include `unrunnable_errors`: only layouts loom's trainer runs."""
     _accepted: dict = field(default_factory=dict)
     _data_choices: dict = field(default_factory=dict)
     _pipeline_choices: dict = field(default_factory=dict)
@@ -286,8 +302,17 @@ class SearchSpace:
     _data_sections: dict = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, model: object, cluster: object, global_batch: object, seq_len: object, precision: object,
-              limit: object, gpus: object) -> SearchSpace:
+    def parse(
+        cls,
+        model: object,
+        cluster: object,
+        global_batch: object,
+        seq_len: object,
+        precision: object,
+        limit: object,
+        gpus: object,
+        runnable_only: object = False,
+    ) -> SearchSpace:
         """The search's inputs validated, every bad one named at once in a ConfigError."""
         errors: dict[str, str] = {}
         if not _is_count(global_batch):
@@ -296,6 +321,8 @@ class SearchSpace:
             errors["limit"] = "must be a whole number of layouts, at least 1"
         if seq_len is not None and not _is_count(seq_len):
             errors["seq_len"] = "must be a whole number of tokens, at least 1, or null for the model's own"
+        if not isinstance(runnable_only, bool):
+            errors["runnable_only"] = "must be true (only layouts loom's trainer runs) or false (every layout)"
         if not isinstance(model, dict):
             errors["model"] = 'must be a JSON object: a preset ({"preset": "llama3-70b"}) or the model\'s fields'
             model = {}
@@ -305,36 +332,53 @@ class SearchSpace:
         try:
             base, cluster_spec = parse_plan({"model": model, "compute": {"precision": precision}}, cluster)
         except ConfigError as error:
-            errors |= {("precision" if key == "compute.precision" else key): message
-                       for key, message in error.errors.items()}
+            errors |= {
+                ("precision" if key == "compute.precision" else key): message for key, message in error.errors.items()
+            }
         if cluster_spec is not None and gpus is not None and not (_is_count(gpus) and gpus <= cluster_spec.world_size):
             errors["gpus"] = f"must be a whole number from 1 to the cluster's {cluster_spec.world_size}; null: all"
         if errors:
             raise ConfigError(errors)
-        return cls(base, cluster_spec, gpus or cluster_spec.world_size, global_batch, limit)
+        return cls(base, cluster_spec, gpus or cluster_spec.world_size, global_batch, limit, runnable_only)
+
+    @property
+    def refused_by_trainer(self) -> dict[str, str]:
+        """With runnable_only, what keeps loom's trainer from running any layout of this model at this
+        precision, keyed by field; empty otherwise."""
+        return unrunnable_errors(self.base) if self.runnable_only else {}
 
     def _accepts(self, parallel: dict, micro_batch: int = 1) -> bool:
         """Whether the base config with this parallel section and micro-batch passes the field
-        rules of those sections and every cross-section rule (the rest was validated once)."""
+        rules of those sections and every cross-section rule, and with runnable_only whether the
+        trainer runs it (the rest was validated once)."""
         key = (tuple(parallel.items()), micro_batch)
         if key not in self._accepted:
             try:
-                sections = {"parallel": ParallelConfig.model_validate(parallel),
-                            "data": self._data_section(micro_batch)}
+                sections = {
+                    "parallel": ParallelConfig.model_validate(parallel),
+                    "data": self._data_section(micro_batch),
+                }
             except ValidationError:
                 self._accepted[key] = False
             else:
-                self._accepted[key] = not cross_section_errors(self.base.model_copy(update=sections))
+                config = self.base.model_copy(update=sections)
+                self._accepted[key] = not cross_section_errors(config) and not (
+                    self.runnable_only and unrunnable_errors(config)
+                )
         return self._accepted[key]
 
     def _data_section(self, micro_batch: int) -> DataConfig:
         if micro_batch not in self._data_sections:
             self._data_sections[micro_batch] = DataConfig.model_validate(
-                {**self.base.data.model_dump(), "micro_batch": micro_batch})
+                {**self.base.data.model_dump(), "micro_batch": micro_batch}
+            )
         return self._data_sections[micro_batch]
 
     def layouts_of_world(self):
-        """(tp, cp, pp, dp, micro_batch) that use every GPU and split the global batch evenly."""
+        """(tp, cp, pp, dp, micro_batch) that use every GPU and split the global batch evenly; none
+        where the trainer is to run the layout and runs no layout of this model at this precision."""
+        if self.refused_by_trainer:
+            return
         for tp in divisors(self.gpus):
             if tp > self.cluster.gpus_per_node:
                 continue
@@ -391,16 +435,31 @@ class SearchSpace:
                     yield PipelineChoice(schedule, stages_per_rank, microbatches)
 
     def _pipeline_valid(self, pp: int, micro_batch: int, choice: PipelineChoice) -> bool:
-        return self._accepts({"pp": pp, "pp_schedule": choice.schedule, "stages_per_rank": choice.stages_per_rank,
-                              "microbatches": choice.microbatches}, micro_batch)
+        return self._accepts(
+            {
+                "pp": pp,
+                "pp_schedule": choice.schedule,
+                "stages_per_rank": choice.stages_per_rank,
+                "microbatches": choice.microbatches,
+            },
+            micro_batch,
+        )
 
     def config(self, candidate: Candidate) -> RunConfig:
         """The candidate as a run config, built from the validated base without validating again."""
         pipeline = candidate.pipeline
-        parallel = self.base.parallel.model_copy(update={
-            "tp": candidate.tp, "sequence_parallel": candidate.tp > 1, "cp": candidate.cp, "pp": candidate.pp,
-            "pp_schedule": pipeline.schedule, "stages_per_rank": pipeline.stages_per_rank,
-            "microbatches": pipeline.microbatches, **candidate.data._asdict()})
+        parallel = self.base.parallel.model_copy(
+            update={
+                "tp": candidate.tp,
+                "sequence_parallel": candidate.tp > 1,
+                "cp": candidate.cp,
+                "pp": candidate.pp,
+                "pp_schedule": pipeline.schedule,
+                "stages_per_rank": pipeline.stages_per_rank,
+                "microbatches": pipeline.microbatches,
+                **candidate.data._asdict(),
+            }
+        )
         sections = (candidate.micro_batch, candidate.recompute)
         if sections not in self._sections:
             self._sections[sections] = {
@@ -411,43 +470,10 @@ class SearchSpace:
 
 
 @dataclass(frozen=True)
-class RankShape:
-    """What one pipeline rank holds under a stage placement, identical tensors counted once."""
-
-    stages: list[int]
-    layers: int
-    holds_embedding: bool
-    holds_output: bool
-    tensor_groups: list[tuple[ParameterTensor, int]]
-
-    @property
-    def signature(self) -> tuple[int, bool, bool]:
-        """Ranks that agree on it hold the same tensors and compute, send and keep the same
-        (their microbatches in flight aside)."""
-        return self.layers, self.holds_embedding, self.holds_output
-
-
-def rank_shape(model: ModelConfig, parallel: ParallelConfig, rank: int) -> RankShape:
-    """What pipeline rank `rank` holds, its tensors grouped by kind (shape and how tp and ep cut them)."""
-    stages = stages_of_rank(parallel, rank)
-    total_stages = parallel.pp * parallel.stages_per_rank
-    groups: dict[tuple, list] = {}
-    for tensor in rank_tensors(model, parallel, rank):
-        groups.setdefault((tensor.shape, tensor.tp_dim, tensor.expert), [tensor, 0])[1] += 1
-    return RankShape(
-        stages=stages,
-        layers=sum(len(stage_layers(model, total_stages, stage)) for stage in stages),
-        holds_embedding=0 in stages,
-        holds_output=total_stages - 1 in stages,
-        tensor_groups=[(tensor, copies) for tensor, copies in groups.values()],
-    )
-
-
-@dataclass(frozen=True)
 class Placement:
     """What each pipeline rank holds under one schedule and stage count."""
 
-    shapes: list[RankShape]
+    holdings: list[RankHolding]
     signatures: tuple
     """Every rank's signature, in rank order."""
     distinct: list[int]
@@ -469,14 +495,13 @@ class Pricer:
         self.leanest: tuple[float, Candidate] | None = None
         self.timed: dict[Candidate, tuple[float, float]] = {}
         self._placements: dict = {}
-        self._tensor_elements: dict = {}
         self._rank_elements: dict = {}
         self._states: dict = {}
         self._data_states_of: dict = {}
         self._held: dict = {}
         self._activations: dict = {}
         self._buffers: dict = {}
-        self._unit_compute: dict = {}
+        self._compute: dict = {}
         self._bubbles: dict = {}
         self._groups: dict = {}
         self._data_parallel_traffic: dict = {}
@@ -494,16 +519,17 @@ class Pricer:
         key = (candidate.pp, pipeline.stages_per_rank, pipeline.schedule in V_SCHEDULES)
         if key not in self._placements:
             parallel = self.space.config(candidate).parallel
-            shapes = [rank_shape(self.space.base.model, parallel, rank) for rank in range(candidate.pp)]
+            holdings = [rank_holding(self.space.base.model, parallel, rank) for rank in range(candidate.pp)]
             first_of_signature: dict[tuple, int] = {}
-            for rank, shape in enumerate(shapes):
-                first_of_signature.setdefault(shape.signature, rank)
-            self._placements[key] = Placement(shapes, tuple(shape.signature for shape in shapes),
-                                              list(first_of_signature.values()))
+            for rank, held in enumerate(holdings):
+                first_of_signature.setdefault(held.signature, rank)
+            self._placements[key] = Placement(
+                holdings, tuple(held.signature for held in holdings), list(first_of_signature.values())
+            )
         return self._placements[key]
 
-    def _rank_shape(self, candidate: Candidate, rank: int) -> RankShape:
-        return self._placement(candidate).shapes[rank]
+    def _holding(self, candidate: Candidate, rank: int) -> RankHolding:
+        return self._placement(candidate).holdings[rank]
 
     # ---- memory ----
 
@@ -519,8 +545,15 @@ class Pricer:
             if not data:
                 continue
             for (schedule, stages_per_rank), counts in pipelines.items():
-                leanest = Candidate(tp, cp, pp, PipelineChoice(schedule, stages_per_rank, counts[0]), data[0],
-                                    RECOMPUTE_LEANEST_FIRST[0], micro_batch)
+                leanest = Candidate(
+                    tp,
+                    cp,
+                    pp,
+                    PipelineChoice(schedule, stages_per_rank, counts[0]),
+                    data[0],
+                    RECOMPUTE_LEANEST_FIRST[0],
+                    micro_batch,
+                )
                 fitting += self._price_placement(leanest, counts, data)
         self.fitting = len(fitting)
         return fitting
@@ -534,8 +567,9 @@ class Pricer:
         for recompute in RECOMPUTE_LEANEST_FIRST:
             line = states
             for index, microbatches in enumerate(counts):
-                candidate = leanest._replace(recompute=recompute,
-                                             pipeline=leanest.pipeline._replace(microbatches=microbatches))
+                candidate = leanest._replace(
+                    recompute=recompute, pipeline=leanest.pipeline._replace(microbatches=microbatches)
+                )
                 fits, line = self._fitting_data_choices(candidate, line)
                 if index == 0:
                     states = line
@@ -550,7 +584,7 @@ class Pricer:
         """(peak bytes, lower bound on the step time, layout) for each data choice that fits, and
         the states of those choices."""
         activations = self._activation_bytes(candidate)
-        stretch = 1 + self._bubble(candidate)
+        bubble = self._bubble(candidate)
         tp, cp, pp, pipeline, _, recompute, micro_batch = candidate
         busiest_by_ep: dict[int, float] = {}
         fits, kept, leanest = [], [], None
@@ -561,7 +595,9 @@ class Pricer:
                 layout = Candidate(tp, cp, pp, pipeline, choice, recompute, micro_batch)
                 if choice.ep not in busiest_by_ep:
                     busiest_by_ep[choice.ep] = self._fewest_microbatches_busy_s(layout)
-                fits.append((peak, busiest_by_ep[choice.ep] * stretch + optimizer_s, layout))
+                # Before any communication that compute may hide is priced: a lower bound.
+                bound_s = step_seconds(pipeline_seconds(busiest_by_ep[choice.ep], bubble), 0.0, 0.0, optimizer_s)
+                fits.append((peak, bound_s, layout))
                 kept.append(state)
             elif leanest is None or peak < leanest[0]:
                 leanest = (peak, choice)
@@ -577,10 +613,17 @@ class Pricer:
         return self._data_states_of[key]
 
     def _states_of(self, candidate: Candidate, choice: DataChoice) -> tuple[list[float], float]:
-        """`model_state_terms` + `buffer_terms` per pipeline rank, and `optimizer_term`'s seconds, of
-        the candidate with this data choice."""
-        key = (self._placement(candidate).signatures, candidate.tp, choice.ep, choice.zero_stage,
-               choice.dp_shard * candidate.cp, choice.reshard_after_forward, choice.dp_replicate * choice.dp_shard > 1)
+        """`model_state_terms` + `buffer_terms` per pipeline rank, and `optimizer_seconds` of the rank
+        that updates most parameters (as `optimizer_term` takes it), of the candidate with this data choice."""
+        key = (
+            self._placement(candidate).signatures,
+            candidate.tp,
+            choice.ep,
+            choice.zero_stage,
+            choice.dp_shard * candidate.cp,
+            choice.reshard_after_forward,
+            choice.dp_replicate * choice.dp_shard > 1,
+        )
         if key not in self._states:
             candidate = candidate._replace(data=choice)
             layout = self._layout(candidate)
@@ -588,27 +631,22 @@ class Pricer:
             for rank in self._placement(candidate).distinct:
                 elements = self._elements_of(candidate, rank)
                 state_bytes = total(model_state_terms(layout, elements) + buffer_terms(layout, rank, elements))
-                by_signature[self._rank_shape(candidate, rank).signature] = (state_bytes, elements.optimizer)
-            optimizer_s = (max(optimizer for _, optimizer in by_signature.values()) * OPTIMIZER_BYTES_PER_PARAMETER
-                           / self.cluster.gpu_type.memory_bandwidth)
+                by_signature[self._holding(candidate, rank).signature] = (state_bytes, elements.optimizer)
+            optimizer_s = optimizer_seconds(
+                max(optimizer for _, optimizer in by_signature.values()), layout, self.cluster
+            )
             state_bytes = [by_signature[signature][0] for signature in self._placement(candidate).signatures]
             self._states[key] = (state_bytes, optimizer_s)
         return self._states[key]
 
     def _elements_of(self, candidate: Candidate, rank: int) -> StateElements:
-        """`state_elements` of the rank's tensors: a sum over tensors, each kind priced once."""
+        """`state_elements` of the rank's tensors, which depend on its signature and on how tp, ep,
+        the sharding ranks and the ZeRO stage cut them."""
         data = candidate.data
-        sharding = (candidate.tp, data.ep, data.dp_shard * candidate.cp, data.zero_stage)
-        key = (self._rank_shape(candidate, rank).signature, sharding)
+        held = self._holding(candidate, rank)
+        key = (held.signature, candidate.tp, data.ep, data.dp_shard * candidate.cp, data.zero_stage)
         if key not in self._rank_elements:
-            sums = dict.fromkeys((each.name for each in fields(StateElements)), 0)
-            for tensor, copies in self._rank_shape(candidate, rank).tensor_groups:
-                kind = (tensor.shape, tensor.tp_dim, tensor.expert, sharding)
-                if kind not in self._tensor_elements:
-                    self._tensor_elements[kind] = state_elements(self._layout(candidate), [tensor])
-                for name in sums:
-                    sums[name] += copies * getattr(self._tensor_elements[kind], name)
-            self._rank_elements[key] = StateElements(**sums)
+            self._rank_elements[key] = state_elements(self._layout(candidate), held.tensors)
         return self._rank_elements[key]
 
     def _activation_bytes(self, candidate: Candidate) -> list[float]:
@@ -638,25 +676,25 @@ class Pricer:
         key = (candidate.pp, candidate.pipeline)
         if key not in self._held:
             layout = self._layout(candidate)
-            self._held[key] = [(shape.layers, shape.holds_output, in_flight_microbatches(layout, rank))
-                               for rank, shape in enumerate(self._placement(candidate).shapes)]
+            self._held[key] = [
+                (held.layers, held.holds_output, in_flight_microbatches(layout, rank))
+                for rank, held in enumerate(self._placement(candidate).holdings)
+            ]
         return self._held[key]
 
     # ---- time ----
 
     def _rank_compute(self, candidate: Candidate, rank: int) -> RankCompute:
-        """`rank_compute`: one sequence on one tp rank without cp, computed once per placement and
-        recompute mode, times the tokens each tp rank of the candidate holds per microbatch."""
-        single_stage = candidate.pp * candidate.pipeline.stages_per_rank == 1
-        key = (self._rank_shape(candidate, rank).signature, single_stage, candidate.recompute)
-        if key not in self._unit_compute:
-            unit = candidate._replace(tp=1, cp=1, micro_batch=1, pipeline=candidate.pipeline._replace(microbatches=1))
-            stages = self._rank_shape(candidate, rank).stages
-            self._unit_compute[key] = stages_compute(self._layout(unit), self.cluster, stages)
-        unit = self._unit_compute[key]
-        scale = candidate.micro_batch // candidate.pipeline.microbatches / (candidate.cp * candidate.tp)
-        return RankCompute(unit.forward_flops * scale, unit.backward_flops * scale, unit.recompute_flops * scale,
-                           unit.model_flops * scale, unit.seconds_per_flop)
+        """`stages_compute` of the rank's stages. It reads of the layout what the rank holds (its
+        signature, and whether a tied output has a copy of its own: more than one stage), the
+        recompute mode, tp, cp and the sequences in a microbatch."""
+        held = self._holding(candidate, rank)
+        one_stage = candidate.pp * candidate.pipeline.stages_per_rank == 1
+        micro_seqs = candidate.micro_batch // candidate.pipeline.microbatches
+        key = (held.signature, one_stage, candidate.recompute, candidate.tp, candidate.cp, micro_seqs)
+        if key not in self._compute:
+            self._compute[key] = stages_compute(self._layout(candidate), self.cluster, held.stages)
+        return self._compute[key]
 
     def _bubble(self, candidate: Candidate) -> float:
         if candidate.pp == 1:
@@ -664,26 +702,28 @@ class Pricer:
         key = (candidate.pp, candidate.pipeline)
         if key not in self._bubbles:
             pipeline = candidate.pipeline
-            self._bubbles[key] = closed_form_bubble(pipeline.schedule, candidate.pp, pipeline.microbatches,
-                                                    pipeline.stages_per_rank)
+            self._bubbles[key] = closed_form_bubble(
+                pipeline.schedule, candidate.pp, pipeline.microbatches, pipeline.stages_per_rank
+            )
         return self._bubbles[key]
 
     def _rank_times(self, layout: Layout, candidate: Candidate) -> list[RankTime]:
         """`rank_time` of one pipeline rank of each signature."""
-        ranks = []
-        for rank in self._placement(candidate).distinct:
-            shape = self._rank_shape(candidate, rank)
-            compute = self._rank_compute(candidate, rank)
-            traffic = step_traffic(layout, self.cluster, self._elements_of(candidate, rank).unsharded, shape.layers,
-                                   shape.holds_embedding, shape.holds_output)
-            expose(traffic, compute.forward_s, compute.backward_s, shape.layers, candidate.pp)
-            ranks.append(RankTime(rank, compute, traffic))
-        return ranks
+        return [
+            rank_time_from(
+                layout,
+                self.cluster,
+                rank,
+                self._holding(candidate, rank),
+                self._rank_compute(candidate, rank),
+                self._elements_of(candidate, rank).unsharded,
+            )
+            for rank in self._placement(candidate).distinct
+        ]
 
     @staticmethod
     def _busiest_s(candidate: Candidate, ranks: list[RankTime]) -> float:
-        microbatches = candidate.pipeline.microbatches
-        return max(microbatches * rank.compute.total_s + rank.exposed(IN_LAYER_KINDS) for rank in ranks)
+        return max(rank.busy_s(candidate.pipeline.microbatches) for rank in ranks)
 
     def _fewest_microbatches_busy_s(self, candidate: Candidate) -> float:
         """The busiest rank's compute and in-layer communication at the placement's fewest
@@ -695,8 +735,16 @@ class Pricer:
         if line not in self._fewest_microbatches_busy:
             _, pipelines = self.space.pipeline_choices(pp, micro_batch)
             fewest = candidate._replace(pipeline=pipeline._replace(microbatches=pipelines[pipeline[:2]][-1]))
-            shared = (tp, cp, pp, recompute, micro_batch, fewest.pipeline.microbatches, data.ep,
-                      self._placement(fewest).signatures)
+            shared = (
+                tp,
+                cp,
+                pp,
+                recompute,
+                micro_batch,
+                fewest.pipeline.microbatches,
+                data.ep,
+                self._placement(fewest).signatures,
+            )
             if shared not in self._fewest_microbatches_busy:
                 ranks = self._rank_times(self._layout(fewest), fewest)
                 self._fewest_microbatches_busy[shared] = self._busiest_s(fewest, ranks)
@@ -710,14 +758,16 @@ class Pricer:
         tp, cp, pp, pipeline, data, recompute, micro_batch = candidate
         return tp, cp, pp, pipeline, recompute, micro_batch, data.ep
 
-    def _pipeline_part_s(self, candidate: Candidate) -> float:
-        """The busiest rank's compute and in-layer communication stretched by the bubble, plus the
-        exposed pipeline sends: the same for every data-parallel split (with the same ep)."""
+    def _pipeline_part_s(self, candidate: Candidate) -> tuple[float, float]:
+        """`pipeline_seconds` and the exposed pipeline sends: the same for every data-parallel split
+        (with the same ep)."""
         key = self._pipeline_key(candidate)
         if key not in self._pipeline_s:
             ranks = self._rank_times(self._layout(candidate), candidate)
-            self._pipeline_s[key] = (self._busiest_s(candidate, ranks) * (1 + self._bubble(candidate))
-                                     + max(rank.exposed(("pp",)) for rank in ranks))
+            self._pipeline_s[key] = (
+                pipeline_seconds(self._busiest_s(candidate, ranks), self._bubble(candidate)),
+                most_exposed_s(ranks, ("pp",)),
+            )
         return self._pipeline_s[key]
 
     def _data_parallel_s(self, candidate: Candidate) -> float:
@@ -726,43 +776,53 @@ class Pricer:
         tp, cp, pp, pipeline, data, recompute, micro_batch = candidate
         key = (tp, cp, pp, pipeline.microbatches, data, recompute, micro_batch, self._placement(candidate).signatures)
         if key not in self._data_parallel_of:
-            self._data_parallel_of[key] = max(self._data_parallel_exposed_s(candidate, rank)
-                                              for rank in self._placement(candidate).distinct)
+            self._data_parallel_of[key] = max(
+                self._data_parallel_exposed_s(candidate, rank) for rank in self._placement(candidate).distinct
+            )
         return self._data_parallel_of[key]
 
     def _data_parallel_exposed_s(self, candidate: Candidate, rank: int) -> float:
         """The rank's exposed data-parallel communication as `step_traffic` and `expose` time it.
         The traffic does not depend on the recompute mode; what of it compute hides does."""
-        shape = self._rank_shape(candidate, rank)
-        key = (candidate.tp, candidate.cp, candidate.pp, candidate.pipeline.microbatches, candidate.data,
-               shape.signature)
+        held = self._holding(candidate, rank)
+        key = (
+            candidate.tp,
+            candidate.cp,
+            candidate.pp,
+            candidate.pipeline.microbatches,
+            candidate.data,
+            held.signature,
+        )
         if key not in self._data_parallel_traffic:
             layout = self._layout(candidate)
             parallel = layout.parallel
             groups_key = (parallel.tp, parallel.cp, parallel.dp_shard, parallel.dp_replicate, parallel.pp, parallel.ep)
             if groups_key not in self._groups:
                 self._groups[groups_key] = groups(layout)
-            traffic = data_parallel_traffic(layout, self._groups[groups_key], self.cluster.gpus_per_node,
-                                            self._elements_of(candidate, rank).unsharded, layout.compute_bytes)
-            for item in traffic:
-                item.time_s = item.calls * collective_time(item.op, item.group_size, item.buffer_bytes, self.cluster,
-                                                           item.inter_node)
+            traffic = data_parallel_traffic(
+                layout,
+                self._groups[groups_key],
+                self.cluster.gpus_per_node,
+                self._elements_of(candidate, rank).unsharded,
+                layout.compute_bytes,
+            )
+            time_traffic(traffic, self.cluster)
             self._data_parallel_traffic[key] = traffic
         traffic = self._data_parallel_traffic[key]
         compute = self._rank_compute(candidate, rank)
-        expose(traffic, compute.forward_s, compute.backward_s, shape.layers, candidate.pp)
+        expose(traffic, compute.forward_s, compute.backward_s, held.layers, candidate.pp)
         return sum(item.exposed_s for item in traffic)
 
     def _tighter_bound(self, candidate: Candidate, bound_s: float, exactness: int) -> tuple[float, int]:
-        """The next lower bound on the step time after `bound_s` of this exactness. The step time
-        adds up as `estimate_layout(timeline=False)` adds it: the pipeline's part, exposed
-        data-parallel communication and the optimizer step. The data-parallel part is cheap and is
-        added to the first bound; the pipeline's part is dear unless a layout that shares it was
-        timed, and comes last."""
+        """The next lower bound on the step time after `bound_s` of this exactness; exact, the step
+        time `step_seconds` adds up. The data-parallel part is cheap and is added to the first bound;
+        the pipeline's part is dear unless a layout that shares it was timed, and comes last."""
         data_parallel_s = self._data_parallel_s(candidate)
         if exactness == FEWEST_MICROBATCHES_BOUND and self._pipeline_key(candidate) not in self._pipeline_s:
             return bound_s + data_parallel_s, DATA_PARALLEL_BOUND
-        step_s = self._pipeline_part_s(candidate) + data_parallel_s + self._states_of(candidate, candidate.data)[1]
+        pipeline_s, pipeline_p2p_s = self._pipeline_part_s(candidate)
+        optimizer_s = self._states_of(candidate, candidate.data)[1]
+        step_s = step_seconds(pipeline_s, data_parallel_s, pipeline_p2p_s, optimizer_s)
         self.timed[candidate] = (step_s, self._bubble(candidate))
         return step_s, EXACT
 
@@ -774,8 +834,10 @@ class Pricer:
         bound tightened and the layout put back, until the bound taken is exact. Layouts leave the
         queue fastest first, so one that leaves after `limit` others, with no less memory than one of
         them, is beaten on both counts and is dropped before any more of its time is computed."""
-        queue = [(bound, order, peak, candidate, FEWEST_MICROBATCHES_BOUND)
-                 for order, (peak, bound, candidate) in enumerate(fitting)]
+        queue = [
+            (bound, order, peak, candidate, FEWEST_MICROBATCHES_BOUND)
+            for order, (peak, bound, candidate) in enumerate(fitting)
+        ]
         heapq.heapify(queue)
         fastest: list[tuple[float, float, Candidate]] = []
         least_memory = float("inf")
@@ -796,25 +858,39 @@ class Pricer:
         per-part checks must agree."""
         step_s, bubble = self.timed[candidate]
         try:
-            config = parse_config(self.space.config(candidate).model_dump(mode="json"), runnable=False)
+            config = parse_config(
+                self.space.config(candidate).model_dump(mode="json"), runnable=self.space.runnable_only
+            )
         except ConfigError as error:
-            raise RuntimeError(f"the search produced a layout the rules refuse ({summarize(candidate)}): {error}; "
-                               "SearchSpace's per-part checks no longer match trainer/config.py") from None
+            raise RuntimeError(
+                f"the search produced a layout the rules refuse ({summarize(candidate)}): {error}; "
+                "SearchSpace's per-part checks no longer match trainer/config.py"
+            ) from None
         peak_flops = self.space.gpus * self.cluster.gpu_type.peak_bf16_flops
-        return Found(candidate, config, self.tokens_per_step / step_s,
-                     self.model_flops_per_step / (step_s * peak_flops), step_s, peak, bubble)
+        return Found(
+            candidate,
+            config,
+            self.tokens_per_step / step_s,
+            self.model_flops_per_step / (step_s * peak_flops),
+            step_s,
+            peak,
+            bubble,
+        )
 
     def why_nothing_fits(self) -> str:
         gpus = f"{self.space.gpus} × {self.cluster.gpu}"
+        if self.space.refused_by_trainer:
+            reasons = "; ".join(f"{key}: {message}" for key, message in self.space.refused_by_trainer.items())
+            return f"loom's trainer runs no layout of this model at {self.space.base.compute.precision} yet ({reasons})"
         if self.leanest is None:
-            return (f"no layout of {gpus} is valid at a global batch of {self.space.global_batch}: it must split "
-                    "evenly over the data-parallel ranks and the model's heads, layers and sequence over tp, pp and cp")
+            return (
+                f"no layout of {gpus} is valid at a global batch of {self.space.global_batch}: it must split "
+                "evenly over the data-parallel ranks and the model's heads, layers and sequence over tp, pp and cp"
+            )
         peak, candidate = self.leanest
-        return (f"none of the {self.valid:,} valid layouts of {gpus} fits in {self.capacity / GIB:.0f} GiB per GPU; "
-                f"the leanest ({summarize(candidate)}) needs {peak / GIB:.0f} GiB: use more GPUs, a smaller model "
-                "or a shorter sequence")
-
-
-def device_bytes(allocated: float) -> float:
-    """`RankMemory.device_bytes` of a rank whose terms add up to `allocated`."""
-    return allocated * (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES
+        valid = "runnable" if self.space.runnable_only else "valid"
+        return (
+            f"none of the {self.valid:,} {valid} layouts of {gpus} fits in {self.capacity / GIB:.0f} GiB per GPU; "
+            f"the leanest ({summarize(candidate)}) needs {peak / GIB:.0f} GiB: use more GPUs, a smaller model "
+            "or a shorter sequence"
+        )

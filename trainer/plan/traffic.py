@@ -12,7 +12,7 @@ from trainer.plan.communication import step_traffic
 from trainer.plan.hardware import ClusterSpec
 from trainer.plan.layout import Layout
 from trainer.plan.memory import rank_coordinates, state_elements
-from trainer.plan.parameters import rank_tensors, stage_layers, stages_of_rank
+from trainer.plan.parameters import rank_holding, stages_of_rank
 from trainer.traffic import CommOp, TrafficMatrix, TrafficRow, traffic_matrix
 
 MAX_RANKS = 1024
@@ -72,11 +72,10 @@ def predicted_rows(config: RunConfig, cluster: ClusterSpec | None = None) -> lis
     cluster = cluster or ClusterSpec(nodes=1, gpus_per_node=max(world, 1))
     by_pp_rank = {}
     for pp_rank in range(parallel.pp):
-        stages = stages_of_rank(parallel, pp_rank)
-        layers = sum(len(stage_layers(layout.model, layout.total_stages, stage)) for stage in stages)
-        elements = state_elements(layout, rank_tensors(layout.model, parallel, pp_rank)).unsharded
+        held = rank_holding(layout.model, parallel, pp_rank)
+        elements = state_elements(layout, held.tensors).unsharded
         by_pp_rank[pp_rank] = step_traffic(
-            layout, cluster, elements, layers, 0 in stages, layout.total_stages - 1 in stages
+            layout, cluster, elements, held.layers, held.holds_embedding, held.holds_output
         )
     rows = []
     for rank in range(world):

@@ -25,6 +25,7 @@ class SearchIn(Schema):
     seq_len: Any = None
     precision: Any = "bf16"
     limit: Any = 20
+    runnable_only: Any = False
 
 
 class ExportIn(Schema):
@@ -59,10 +60,11 @@ def estimate(request, body: LayoutIn):
 
 @router.post("/search", response={200: dict, 400: FieldErrors})
 def search(request, body: SearchIn):
-    """The fastest layouts that fit, ranked, and the memory/throughput Pareto front."""
+    """The fastest layouts that fit, ranked, and the memory/throughput Pareto front; with runnable_only,
+    of the layouts loom's trainer runs today."""
     return answer(
         lambda: services.search_layouts(
-            body.model, body.cluster, body.global_batch, body.seq_len, body.precision, body.limit
+            body.model, body.cluster, body.global_batch, body.seq_len, body.precision, body.limit, body.runnable_only
         )
     )
 

@@ -4,66 +4,24 @@ explained by the schemas themselves, and the layout the page opens with."""
 import typing
 from typing import Literal
 
-from pydantic import BaseModel
-
-from trainer.config import RunConfig
+from loom.runs.forms import CONFIG_LABELS, MODEL_SHAPE_PATHS, PARALLEL_PATHS, config_field, form_value
 from trainer.plan.hardware import GPU_TYPES, ClusterSpec
 from trainer.plan.presets import MODEL_PRESETS
 
-CLUSTER = "cluster"
+CLUSTER_PREFIX = "cluster."
+CLUSTER_LABELS = {"cluster.gpu": "GPU", "cluster.nodes": "Nodes", "cluster.gpus_per_node": "GPUs per node"}
 
-# (section heading, [(field path, label)]): paths under "cluster." are ClusterSpec fields, the
-# others run-config fields.
+# (section heading, [field path]): paths under "cluster." are ClusterSpec fields, the others
+# run-config fields. Beyond what the new-run form asks, the designer offers what the planner
+# estimates but the trainer does not run yet (MoE, ZeRO-1/2, fp8, …).
 DESIGN_SECTIONS = [
     (
         "Model",
-        [
-            ("model.layers", "Layers"),
-            ("model.dim", "Hidden size (dim)"),
-            ("model.heads", "Attention heads"),
-            ("model.kv_heads", "Key/value heads"),
-            ("model.ffn", "Feed-forward size"),
-            ("model.vocab", "Vocabulary"),
-            ("model.seq_len", "Sequence length"),
-            ("model.mlp", "Feed-forward block"),
-            ("model.tie_embeddings", "Tied embeddings"),
-            ("model.experts", "Experts"),
-            ("model.top_k", "Experts per token"),
-        ],
+        [*MODEL_SHAPE_PATHS, "model.vocab", "model.mlp", "model.tie_embeddings", "model.experts", "model.top_k"],
     ),
-    (
-        "Parallelism",
-        [
-            ("parallel.dp_replicate", "Data-parallel replicas"),
-            ("parallel.dp_shard", "FSDP shards"),
-            ("parallel.zero_stage", "ZeRO stage"),
-            ("parallel.tp", "Tensor parallel"),
-            ("parallel.sequence_parallel", "Sequence parallel"),
-            ("parallel.pp", "Pipeline stages (ranks)"),
-            ("parallel.pp_schedule", "Pipeline schedule"),
-            ("parallel.stages_per_rank", "Stages per pipeline rank"),
-            ("parallel.microbatches", "Pipeline microbatches"),
-            ("parallel.cp", "Context parallel"),
-            ("parallel.ep", "Expert parallel"),
-        ],
-    ),
-    (
-        "Compute and data",
-        [
-            ("compute.precision", "Precision"),
-            ("compute.recompute", "Activation recompute"),
-            ("data.micro_batch", "Micro-batch (sequences per data-parallel rank)"),
-            ("steps", "Steps"),
-        ],
-    ),
-    (
-        "Cluster",
-        [
-            ("cluster.gpu", "GPU"),
-            ("cluster.nodes", "Nodes"),
-            ("cluster.gpus_per_node", "GPUs per node"),
-        ],
-    ),
+    ("Parallelism", [*PARALLEL_PATHS, "parallel.zero_stage", "parallel.ep"]),
+    ("Compute and data", ["compute.precision", "compute.recompute", "data.micro_batch", "steps"]),
+    ("Cluster", list(CLUSTER_LABELS)),
 ]
 
 STARTING_PRESET = "llama3-8b"
@@ -78,10 +36,10 @@ STARTING_VALUES = {
 
 def design_sections() -> list[tuple[str, list[dict]]]:
     """(heading, inputs) for the template; each input is a dict the template and design.js read."""
-    return [(heading, [design_input(path, label) for path, label in inputs]) for heading, inputs in DESIGN_SECTIONS]
+    return [(heading, [design_input(path) for path in paths]) for heading, paths in DESIGN_SECTIONS]
 
 
-def design_input(path: str, label: str) -> dict:
+def design_input(path: str) -> dict:
     """An input's label, help, starting value, choices (a select) and value type, which design.js
     uses to turn the typed text into JSON: numbers as numbers, "" for an optional field as null."""
     field = schema_field(path)
@@ -102,7 +60,7 @@ def design_input(path: str, label: str) -> dict:
     return {
         "path": path,
         "id": "design-" + path.replace(".", "-"),
-        "label": label,
+        "label": (CONFIG_LABELS | CLUSTER_LABELS)[path],
         "help": field.description,
         "value": "" if value is None else form_value(value),
         "options": options,
@@ -112,13 +70,9 @@ def design_input(path: str, label: str) -> dict:
 
 def schema_field(path: str):
     """The pydantic FieldInfo behind "parallel.tp" (RunConfig) or "cluster.gpu" (ClusterSpec)."""
-    section: type[BaseModel] = RunConfig
-    *sections, name = path.split(".")
-    if sections[:1] == [CLUSTER]:
-        section, sections = ClusterSpec, sections[1:]
-    for part in sections:
-        section = section.model_fields[part].annotation
-    return section.model_fields[name]
+    if path.startswith(CLUSTER_PREFIX):
+        return ClusterSpec.model_fields[path.removeprefix(CLUSTER_PREFIX)]
+    return config_field(path)
 
 
 def choices_of(path: str, annotation) -> list:
@@ -129,8 +83,3 @@ def choices_of(path: str, annotation) -> list:
     if typing.get_origin(annotation) is Literal:
         return list(typing.get_args(annotation))
     return []
-
-
-def form_value(value) -> str:
-    """How a value is written in an input: JSON's spelling for booleans."""
-    return str(value).lower() if isinstance(value, bool) else str(value)

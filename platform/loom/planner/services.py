@@ -69,11 +69,15 @@ def estimate_for_run(config: dict, cluster) -> dict:
     }
 
 
-def search_layouts(model, cluster, global_batch, seq_len=None, precision="bf16", limit=20) -> dict:
-    """The fastest layouts for a model on a cluster at a global batch, ranked, with their Pareto front."""
+def search_layouts(model, cluster, global_batch, seq_len=None, precision="bf16", limit=20, runnable_only=False) -> dict:
+    """The fastest layouts for a model on a cluster at a global batch, ranked, with their Pareto front;
+    with runnable_only, only layouts loom's trainer runs today."""
     if is_count(limit) and limit > SEARCH_LIMIT_MAX:
         raise ConfigError({"limit": f"must be at most {SEARCH_LIMIT_MAX} layouts"})
-    return search(model, cluster, global_batch, seq_len=seq_len, precision=precision, limit=limit).to_json()
+    found = search(
+        model, cluster, global_batch, seq_len=seq_len, precision=precision, limit=limit, runnable_only=runnable_only
+    )
+    return found.to_json()
 
 
 def predicted_traffic(document, cluster) -> dict:

@@ -7,43 +7,65 @@ from django import forms
 
 from trainer.config import RunConfig
 
-# (section heading, [(config path, label)]): the subset of the run config the page asks for;
-# everything else keeps its schema default.
+# How the pages label the run-config fields they ask for; each field's schema description is its help.
+CONFIG_LABELS = {
+    "steps": "Steps",
+    "model.layers": "Layers",
+    "model.dim": "Hidden size (dim)",
+    "model.heads": "Attention heads",
+    "model.kv_heads": "Key/value heads",
+    "model.ffn": "Feed-forward size",
+    "model.vocab": "Vocabulary",
+    "model.seq_len": "Sequence length",
+    "model.mlp": "Feed-forward block",
+    "model.tie_embeddings": "Tied embeddings",
+    "model.experts": "Experts",
+    "model.top_k": "Experts per token",
+    "parallel.dp_replicate": "Data-parallel replicas",
+    "parallel.dp_shard": "FSDP shards",
+    "parallel.zero_stage": "ZeRO stage",
+    "parallel.tp": "Tensor parallel",
+    "parallel.sequence_parallel": "Sequence parallel",
+    "parallel.pp": "Pipeline stages (ranks)",
+    "parallel.pp_schedule": "Pipeline schedule",
+    "parallel.stages_per_rank": "Stages per pipeline rank",
+    "parallel.microbatches": "Pipeline microbatches",
+    "parallel.cp": "Context parallel",
+    "parallel.ep": "Expert parallel",
+    "compute.precision": "Precision",
+    "compute.recompute": "Activation recompute",
+    "optimizer.lr": "Learning rate",
+    "optimizer.warmup_steps": "Warmup steps",
+    "data.micro_batch": "Micro-batch (sequences per data-parallel rank)",
+    "data.corpus_bytes": "Corpus bytes",
+}
+# The model's shape and the parallel layout as every page that designs a run asks for them.
+MODEL_SHAPE_PATHS = ["model.layers", "model.dim", "model.heads", "model.kv_heads", "model.ffn", "model.seq_len"]
+PARALLEL_PATHS = [
+    "parallel.dp_replicate",
+    "parallel.dp_shard",
+    "parallel.tp",
+    "parallel.sequence_parallel",
+    "parallel.pp",
+    "parallel.pp_schedule",
+    "parallel.stages_per_rank",
+    "parallel.microbatches",
+    "parallel.cp",
+]
+# (section heading, [config path]): the subset of the run config the page asks for; everything
+# else keeps its schema default.
 CONFIG_SECTIONS = [
-    ("Training", [("steps", "Steps")]),
-    (
-        "Model",
-        [
-            ("model.layers", "Layers"),
-            ("model.dim", "Hidden size (dim)"),
-            ("model.heads", "Attention heads"),
-            ("model.kv_heads", "Key/value heads"),
-            ("model.ffn", "Feed-forward size"),
-            ("model.seq_len", "Sequence length"),
-        ],
-    ),
-    (
-        "Parallelism",
-        [
-            ("parallel.dp_replicate", "Data-parallel replicas"),
-            ("parallel.dp_shard", "FSDP shards"),
-            ("parallel.tp", "Tensor parallel"),
-            ("parallel.sequence_parallel", "Sequence parallel"),
-            ("parallel.pp", "Pipeline stages (ranks)"),
-            ("parallel.pp_schedule", "Pipeline schedule"),
-            ("parallel.stages_per_rank", "Stages per pipeline rank"),
-            ("parallel.microbatches", "Pipeline microbatches"),
-            ("parallel.cp", "Context parallel"),
-        ],
-    ),
-    ("Optimizer", [("optimizer.lr", "Learning rate"), ("optimizer.warmup_steps", "Warmup steps")]),
-    ("Data", [("data.micro_batch", "Micro-batch"), ("data.corpus_bytes", "Corpus bytes")]),
+    ("Training", ["steps"]),
+    ("Model", MODEL_SHAPE_PATHS),
+    ("Parallelism", PARALLEL_PATHS),
+    ("Optimizer", ["optimizer.lr", "optimizer.warmup_steps"]),
+    ("Data", ["data.micro_batch", "data.corpus_bytes"]),
 ]
 
-CONFIG_PATHS = frozenset(path for _, inputs in CONFIG_SECTIONS for path, _ in inputs)
+CONFIG_PATHS = frozenset(path for _, paths in CONFIG_SECTIONS for path in paths)
 
 
-def schema_field(path: str):
+def config_field(path: str):
     """The pydantic FieldInfo behind a dotted config path such as "model.heads"."""
     section_model = RunConfig
     *sections, name = path.split(".")
@@ -52,11 +74,11 @@ def schema_field(path: str):
     return section_model.model_fields[name]
 
 
-def config_input(path: str, label: str) -> forms.Field:
+def config_input(path: str) -> forms.Field:
     """A text input, not a number input: the raw text goes to the schema, the one place that
     decides what is valid, so "abc" or "1.5" for an integer gets the schema's own message.
     Fields with a fixed set of values (schedules, switches) are a select of exactly those."""
-    field = schema_field(path)
+    field, label = config_field(path), CONFIG_LABELS[path]
     choices = choices_of(field)
     if choices:
         return forms.ChoiceField(
@@ -74,7 +96,7 @@ def config_input(path: str, label: str) -> forms.Field:
 
 
 def form_value(value) -> str:
-    """How a schema default is written in the form: JSON's spelling for booleans."""
+    """How a value is written in an input: JSON's spelling for booleans."""
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -95,13 +117,13 @@ class NewRunForm(forms.Form):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for _, inputs in CONFIG_SECTIONS:
-            for path, label in inputs:
-                self.fields[path] = config_input(path, label)
+        for _, paths in CONFIG_SECTIONS:
+            for path in paths:
+                self.fields[path] = config_input(path)
 
     def sections(self):
         """(heading, bound fields) for the template to lay out as fieldsets."""
-        return [(heading, [self[path] for path, _ in inputs]) for heading, inputs in CONFIG_SECTIONS]
+        return [(heading, [self[path] for path in paths]) for heading, paths in CONFIG_SECTIONS]
 
     def run_input(self) -> tuple[str | None, dict]:
         """The name and the nested run-config document, values exactly as typed."""
