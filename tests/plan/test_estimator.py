@@ -52,7 +52,9 @@ def test_tensor_parallel_splits_matrices_but_not_norms():
     norms = 2 * SMALL_MODEL["layers"] + 1
     norm_elements = norms * SMALL_MODEL["dim"]
     matrices = total_parameters(whole.model) - norm_elements
-    assert model_state_bytes(split) == 16 * (matrices / 4 + norm_elements)
+    # DTensor leaves the vocab-parallel embedding's gradient whole on every tp rank (no FSDP here).
+    embedding_gradient_rest = 4 * SMALL_MODEL["vocab"] * SMALL_MODEL["dim"] * 3 / 4
+    assert model_state_bytes(split) == 16 * (matrices / 4 + norm_elements) + embedding_gradient_rest
 
 
 S, B, H, A = 2048, 1, 12288, 96

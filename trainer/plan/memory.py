@@ -83,9 +83,20 @@ def state_elements(layout: Layout, tensors: list[ParameterTensor], shard_index: 
         """Elements of a state that ZeRO shards from this stage on."""
         return chunked if zero >= stage else whole
 
-    return StateElements(
-        sharded_from(3), sharded_from(2), sharded_from(1), sum(tensor.copies for tensor in tensors), whole
-    )
+    gradients = sharded_from(2) + unsharded_embedding_gradient(layout, tensors)
+    return StateElements(sharded_from(3), gradients, sharded_from(1), sum(tensor.copies for tensor in tensors), whole)
+
+
+def unsharded_embedding_gradient(layout: Layout, tensors: list[ParameterTensor]) -> int:
+    """Elements beyond the shard that a vocab-parallel embedding's gradient takes.
+
+    DTensor's backward of the row-wise (vocab-sharded) embedding yields the gradient over the whole
+    vocabulary, pending reduction; FSDP reduce-scatters it into the shard at once, but without
+    sharded gradients each tp rank keeps all vocab × dim of it until the optimizer step."""
+    tp = layout.parallel.tp
+    if tp == 1 or layout.parallel.zero >= 2:
+        return 0
+    return sum(t.copies * t.elements * (tp - 1) // tp for t in tensors if t.name == "embedding.weight")
 
 
 def rank_state_elements(layout: Layout, pp_rank: int, shard_index: int = 0) -> StateElements:
