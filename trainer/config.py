@@ -207,10 +207,44 @@ class DataConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """Checkpointing is not implemented yet; these fields reserve its place in the document."""
+    """Periodic, atomically committed checkpoints that resume into any layout (trainer/checkpoint.py).
 
-    interval_steps: int = Field(0, ge=0, description="Save every N steps; 0 saves nothing.")
-    keep_last: int = Field(3, ge=1, description="How many recent checkpoints to keep.")
+    Saving is on when interval_steps or interval_minutes is set; then a stopped run (SIGTERM) saves
+    its last completed step and a finished run its final step."""
+
+    interval_steps: int = Field(0, ge=0, description="Save every N steps; 0 = no step-based saves.")
+    interval_minutes: float = Field(
+        0, ge=0, le=10_080, description="Also save when this many minutes have passed since the last save; 0 = never."
+    )
+    keep_last: int = Field(3, ge=1, description="How many of the newest committed checkpoints to keep.")
+    keep_every: int = Field(
+        0, ge=0, description="Also keep every checkpoint whose step is a multiple of this, forever; 0 = none."
+    )
+    directory: str | None = Field(
+        None,
+        min_length=1,
+        description="Where checkpoints live; null: $LOOM_CHECKPOINT_DIR, else `checkpoints` in the working directory.",
+    )
+    resume: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            'null: start fresh; "latest": the newest committed checkpoint in the directory that verifies '
+            "(falling back past corrupt ones; fresh when there is none); or the path of one checkpoint directory."
+        ),
+    )
+    async_save: bool = Field(
+        True,
+        description=(
+            "Block training only while state is copied to host memory, then write in the background; "
+            "false writes while training waits."
+        ),
+    )
+
+    @property
+    def saves(self) -> bool:
+        """Whether this run writes checkpoints at all (periodic, final and on SIGTERM)."""
+        return self.interval_steps > 0 or self.interval_minutes > 0
 
 
 class TelemetryConfig(_Section):

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-EVENT_KINDS = frozenset({"metric", "heartbeat", "comm", "log", "state"})
+EVENT_KINDS = frozenset({"metric", "heartbeat", "comm", "log", "checkpoint", "state"})
 # The platform refuses bodies over 1 MiB or 5000 events; staying well under leaves headroom.
 MAX_BATCH_EVENTS = 2000
 MAX_BATCH_BYTES = 512 * 1024

@@ -2,8 +2,9 @@
 
 N must equal the config's world size (pp × dp_replicate × dp_shard × cp × tp). Each rank reports
 metrics, logs and state changes through its own TelemetryClient (LOOM_URL, LOOM_TOKEN,
-LOOM_ATTEMPT; spooled under LOOM_SPOOL_DIR). SIGTERM stops every rank at the same step boundary,
-reports the stop and exits with 143.
+LOOM_ATTEMPT; spooled under LOOM_SPOOL_DIR). Checkpoints go to the config's directory, else
+LOOM_CHECKPOINT_DIR, and name the run (LOOM_RUN_ID) and attempt. SIGTERM stops every rank at the
+same step boundary, saves that step when checkpointing is on, reports the stop and exits with 143.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 from trainer import faults
+from trainer.checkpoint import Checkpointer, checkpoint_root
 from trainer.comm import comm_recorder
 from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
 from trainer.data import WindowSampler
@@ -65,6 +67,8 @@ class Launch:
     spool_dir: Path
     # LOOM_DUMP_PARAMS_DIR: write the full final parameters there (layout comparisons, debugging).
     dump_params_dir: Path | None = None
+    run_id: str | None = None
+    checkpoint_dir: str | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> Launch:
@@ -90,6 +94,8 @@ class Launch:
             attempt=int(attempt) if attempt is not None else None,
             spool_dir=Path(environ.get("LOOM_SPOOL_DIR") or DEFAULT_SPOOL_DIR),
             dump_params_dir=Path(environ["LOOM_DUMP_PARAMS_DIR"]) if environ.get("LOOM_DUMP_PARAMS_DIR") else None,
+            run_id=environ.get("LOOM_RUN_ID") or None,
+            checkpoint_dir=environ.get("LOOM_CHECKPOINT_DIR") or None,
         )
 
 
@@ -170,6 +176,16 @@ def train(
     sampler = WindowSampler.from_config(config)
     data_parallel = config.parallel.data_parallel
     comm = comm_recorder(config.telemetry, mesh, telemetry)
+    checkpointer = Checkpointer(
+        config,
+        parallel_model.state_modules,
+        optimizer,
+        telemetry,
+        device,
+        root=checkpoint_root(config.checkpoint.directory, launch.checkpoint_dir),
+        run_id=launch.run_id,
+        attempt=launch.attempt,
+    )
 
     telemetry.emit(
         "state",
@@ -191,10 +207,13 @@ def train(
         " × ".join(f"{dim} {getattr(config.parallel, dim)}" for dim in MESH_DIMS),
         config.tokens_per_step,
     )
+    restored = checkpointer.restore()
+    first_step = restored.step + 1 if restored is not None else 1
 
     tokens_per_rank_step = config.data.micro_batch * config.model.seq_len
-    tokens_seen = 0
-    for step in range(1, config.steps + 1):
+    tokens_seen = (first_step - 1) * tokens_per_rank_step
+    last_step, last_loss, stop_votes = first_step - 1, None, 0.0
+    for step in range(first_step, config.steps + 1):
         faults.before_step(config.faults, step, launch.rank)
         started = time.perf_counter()
         with comm.recording():
@@ -209,13 +228,13 @@ def train(
             optimizer.step()
 
             # One collective per step carries the loss sum, how many ranks hold a loss (only the last
-            # pipeline stage does) and the stop vote, so every rank leaves the loop after the same step.
+            # pipeline stage does), the stop vote and the checkpoint-clock vote, so every rank leaves
+            # the loop, and saves, after the same step.
             local_loss = to_local_value(loss) if loss is not None else None
-            shared = torch.tensor(
-                [local_loss or 0.0, float(local_loss is not None), float(stop.requested)], dtype=torch.float64
-            )
+            votes = [float(stop.requested), float(checkpointer.due_by_time())]
+            shared = torch.tensor([local_loss or 0.0, float(local_loss is not None), *votes], dtype=torch.float64)
             dist.all_reduce(shared)
-            loss_sum, loss_count, stop_votes = shared.tolist()
+            loss_sum, loss_count, stop_votes, save_votes = shared.tolist()
         step_time = time.perf_counter() - started
         tokens_seen += tokens_per_rank_step
         metrics = {
@@ -230,7 +249,7 @@ def train(
         }
         if local_loss is not None:
             metrics["loss"] = local_loss
-        if step == 1:
+        if step == first_step:
             metrics |= state_bytes(parameters, optimizer)
         telemetry.emit("metric", metrics, step=step)
         comm.step_finished(step)
@@ -240,11 +259,17 @@ def train(
             f"{metrics['tokens_per_s']:,.0f} tok/s {step_time * 1000:.0f} ms",
             flush=True,
         )
+        last_step, last_loss = step, metrics["loss_mean"]
+        if checkpointer.due(step) or save_votes:
+            checkpointer.save(step, last_loss)
         if stop_votes:
             break
     # A run that stops early, or whose steps do not fill the last window, still reports it.
     comm.flush()
-    return Outcome(last_step=step, stopped=bool(stop_votes), parallel_model=parallel_model, mesh=mesh)
+    # A stopped run saves the step it completed last, a finished one its final step (unless saved already).
+    checkpointer.finish(last_step, last_loss)
+    checkpointer.close()
+    return Outcome(last_step=last_step, stopped=bool(stop_votes), parallel_model=parallel_model, mesh=mesh)
 
 
 def to_local_value(value: torch.Tensor) -> float:

@@ -52,8 +52,9 @@ class FinishedRun:
         return merged
 
 
-def run_trainer(workdir: Path, document: dict, timeout_s: float = 300) -> FinishedRun:
-    """Run the config offline (telemetry stays spooled) on as many ranks as its layout needs."""
+def trainer_launch(workdir: Path, document: dict, extra_env: dict[str, str] | None = None) -> tuple[list[str], dict]:
+    """The torchrun command line and environment for the config, written to workdir/run.json; offline
+    (no LOOM_ variable from the caller's environment leaks in, only those in extra_env)."""
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "run.json"
     config_path.write_text(json.dumps(document))
@@ -65,9 +66,33 @@ def run_trainer(workdir: Path, document: dict, timeout_s: float = 300) -> Finish
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH", "")])),
     )
+    environ.update(extra_env or {})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
     command += ["-m", "trainer.train", "--config", str(config_path)]
+    return command, environ
+
+
+def run_trainer(
+    workdir: Path, document: dict, timeout_s: float = 300, extra_env: dict[str, str] | None = None
+) -> FinishedRun:
+    """Run the config offline (telemetry stays spooled) on as many ranks as its layout needs."""
+    command, environ = trainer_launch(workdir, document, extra_env)
     result = subprocess.run(
         command, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s
     )
     return FinishedRun(result.returncode, result.stdout, workdir / "spool", workdir / "params")
+
+
+def start_trainer(workdir: Path, document: dict) -> subprocess.Popen:
+    """Start the run like the platform's launcher does, in a session of its own so that os.killpg
+    reaches torchrun and every rank; its output goes to workdir/output.log."""
+    command, environ = trainer_launch(workdir, document)
+    with (workdir / "output.log").open("w") as output:
+        return subprocess.Popen(
+            command, cwd=ROOT, env=environ, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def started_run_result(workdir: Path, process: subprocess.Popen) -> FinishedRun:
+    """What a run from start_trainer left behind, once its process has ended."""
+    return FinishedRun(process.wait(), (workdir / "output.log").read_text(), workdir / "spool", workdir / "params")

@@ -1,0 +1,411 @@
+"""Checkpoints: atomic commit with a manifest, verification on load, retention, exact resume, resume
+into other layouts, and the save a SIGTERM triggers.
+
+The torchrun tests share launches: one straight FSDP 2 run saves every step, and the others resume
+from (copies of) its checkpoints."""
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.checkpoint import (
+    MANIFEST,
+    CheckpointCorrupt,
+    CheckpointError,
+    checkpoint_root,
+    commit,
+    committed_checkpoints,
+    latest_good,
+    restore_rng_states,
+    rng_states,
+    steps_to_delete,
+    verify,
+    without_stage_number,
+)
+from trainer.config import ConfigError, parse_config
+
+from .torchrun import FinishedRun, run_trainer, start_trainer, started_run_result
+
+STEPS = 6
+HALF = 3
+GLOBAL_BATCH = 8
+RUN_ID = "run-42"
+ATTEMPT = "7"
+TOLERANCES = {"loss_relative": 1e-5, "parameter_max": 1e-4, "parameter_norm_relative": 1e-4}
+
+
+def document(checkpoint: dict, micro_batch_divisor: int = 1, steps: int = STEPS, **parallel) -> dict:
+    """The equivalence test's tiny fp32 run: the global batch is GLOBAL_BATCH in every layout."""
+    return {
+        "steps": steps,
+        "model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 32},
+        "parallel": parallel,
+        "compute": {"precision": "fp32"},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1},
+        "data": {"micro_batch": GLOBAL_BATCH // micro_batch_divisor, "corpus_bytes": 200_000},
+        "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60, "comm": False},
+        "checkpoint": checkpoint,
+    }
+
+
+def fsdp2(checkpoint: dict, **overrides) -> dict:
+    return document(checkpoint, 2, dp_shard=2, **overrides)
+
+
+def checkpoint_events(run: FinishedRun, state: str) -> list[dict]:
+    return [event["payload"] for _, event in run.events("checkpoint") if event["payload"]["state"] == state]
+
+
+def metric_steps(run: FinishedRun) -> list[int]:
+    return sorted(event["step"] for rank, event in run.events("metric") if rank == 0)
+
+
+def assert_same_math(resumed: FinishedRun, straight: FinishedRun) -> None:
+    """Another layout sums in another order: the equivalence test's tolerances."""
+    for step, (want, got) in enumerate(
+        zip(straight.loss_means()[HALF:], resumed.loss_means(), strict=True), start=HALF + 1
+    ):
+        assert abs(got - want) <= TOLERANCES["loss_relative"] * abs(want), f"step {step}: {got} vs {want}"
+    reference, parameters = straight.parameters(), resumed.parameters()
+    assert sorted(parameters) == sorted(reference)
+    for name, tensor in reference.items():
+        difference = parameters[name] - tensor
+        assert difference.abs().max() <= TOLERANCES["parameter_max"], name
+        assert difference.norm() <= TOLERANCES["parameter_norm_relative"] * tensor.norm(), name
+
+
+# Files, manifests, retention and the choice of checkpoint: no process group needed.
+
+
+def write_checkpoint_files(directory: Path, contents: dict[str, bytes]) -> Path:
+    directory.mkdir(parents=True)
+    for name, data in contents.items():
+        (directory / name).write_bytes(data)
+    return directory
+
+
+def committed_at(root: Path, step: int, payload: bytes = b"weights") -> Path:
+    files = {".metadata": b"meta", "__0_0.distcp": payload}
+    temporary = write_checkpoint_files(root / f"step-{step:06d}.tmp-test", files)
+    final = root / f"step-{step:06d}"
+    commit(temporary, final, {"step": step})
+    return final
+
+
+def test_commit_writes_a_manifest_of_every_file_then_renames(tmp_path):
+    files = {".metadata": b"meta", "__0_0.distcp": b"abc"}
+    temporary = write_checkpoint_files(tmp_path / "step-000010.tmp-a1-x", files)
+    manifest = commit(temporary, tmp_path / "step-000010", {"step": 10, "loss": 2.5})
+
+    assert not temporary.exists()
+    assert json.loads((tmp_path / "step-000010" / MANIFEST).read_text()) == manifest
+    assert manifest["step"] == 10 and manifest["loss"] == 2.5
+    assert manifest["files"] == [
+        {"path": ".metadata", "bytes": 4, "sha256": hashlib.sha256(b"meta").hexdigest()},
+        {"path": "__0_0.distcp", "bytes": 3, "sha256": hashlib.sha256(b"abc").hexdigest()},
+    ]
+    assert manifest["bytes"] == 7
+    assert verify(tmp_path / "step-000010") == manifest
+
+
+def test_commit_replaces_a_committed_checkpoint_of_the_same_step(tmp_path):
+    committed_at(tmp_path, 10, b"old")
+    committed_at(tmp_path, 10, b"new")
+    assert [path.name for path in tmp_path.iterdir()] == ["step-000010"]
+    assert (tmp_path / "step-000010" / "__0_0.distcp").read_bytes() == b"new"
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda path: path.write_bytes(b"wxights"), "sha256 mismatch"),
+        (lambda path: path.write_bytes(b"weigh"), "size 5 bytes, the manifest says 7"),
+        (lambda path: path.unlink(), "missing"),
+    ],
+)
+def test_verify_names_the_damaged_file(tmp_path, damage, problem):
+    checkpoint = committed_at(tmp_path, 10)
+    damage(checkpoint / "__0_0.distcp")
+    with pytest.raises(CheckpointCorrupt) as error:
+        verify(checkpoint)
+    assert str(error.value) == f"step-000010/__0_0.distcp: {problem}"
+
+
+def test_verify_refuses_a_directory_without_a_manifest_and_a_missing_one(tmp_path):
+    write_checkpoint_files(tmp_path / "step-000010", {"__0_0.distcp": b"x"})
+    with pytest.raises(CheckpointCorrupt, match=r"step-000010/manifest.json: missing"):
+        verify(tmp_path / "step-000010")
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        verify(tmp_path / "step-000020")
+
+
+def test_only_final_names_with_a_manifest_count_as_committed(tmp_path):
+    for step in (20, 3, 10):
+        committed_at(tmp_path, step)
+    temporary = committed_at(tmp_path, 30)
+    temporary.rename(tmp_path / "step-000030.tmp-a1-abandoned")
+    write_checkpoint_files(tmp_path / "step-000040", {"__0_0.distcp": b"no manifest"})
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert [path.name for path in committed_checkpoints(tmp_path)] == ["step-000003", "step-000010", "step-000020"]
+    assert committed_checkpoints(tmp_path / "absent") == []
+
+
+def test_latest_good_falls_back_past_corrupt_checkpoints_and_reports_them(tmp_path):
+    for step in (1, 2, 3):
+        committed_at(tmp_path, step)
+    (tmp_path / "step-000003" / "__0_0.distcp").write_bytes(b"garbage")
+    reported = []
+    path, manifest = latest_good(tmp_path, verify, lambda path, error: reported.append((path.name, str(error))))
+    assert path.name == "step-000002" and manifest["step"] == 2
+    assert reported == [("step-000003", "step-000003/__0_0.distcp: sha256 mismatch")]
+
+
+def test_latest_good_is_none_when_nothing_checks_out(tmp_path):
+    committed_at(tmp_path, 1)
+    (tmp_path / "step-000001" / "__0_0.distcp").unlink()
+    assert latest_good(tmp_path, verify, lambda path, error: None) is None
+    assert latest_good(tmp_path / "empty", verify, lambda path, error: None) is None
+
+
+@pytest.mark.parametrize(
+    ("steps", "committed_step", "keep_last", "keep_every", "deleted"),
+    [
+        ([1, 2, 3, 4, 5, 6], 6, 2, 3, [1, 2, 4]),
+        ([1, 2, 3, 4, 5, 6], 6, 2, 0, [1, 2, 3, 4]),
+        ([10, 20, 30], 30, 5, 0, []),
+        ([6, 1, 5, 2], 6, 1, 2, [1, 5]),
+        ([7], 7, 3, 0, []),
+        # Resumed from step 3 and committed step 4: 5 and 6 are a branch left behind, even milestones.
+        ([1, 2, 3, 4, 5, 6], 4, 2, 3, [1, 2, 5, 6]),
+    ],
+)
+def test_retention_keeps_the_newest_and_the_milestones(steps, committed_step, keep_last, keep_every, deleted):
+    assert steps_to_delete(steps, committed_step, keep_last, keep_every) == deleted
+
+
+@pytest.mark.parametrize(
+    ("key", "full_name"),
+    [
+        ("0.blocks.3.attention.wq.weight", "blocks.3.attention.wq.weight"),
+        ("1.output.weight", "output.weight"),
+        ("state.0.blocks.3.mlp.w1.weight.exp_avg", "state.blocks.3.mlp.w1.weight.exp_avg"),
+        ("param_groups.1.norm.weight.lr", "param_groups.norm.weight.lr"),
+    ],
+)
+def test_state_keys_lose_the_number_of_the_stage_holding_them(key, full_name):
+    assert without_stage_number(key) == full_name
+
+
+def test_rng_states_survive_json_and_replay_the_same_numbers():
+    cpu = torch.device("cpu")
+    saved = json.loads(json.dumps(rng_states(cpu)))
+    expected = torch.rand(4)
+    torch.rand(100)
+    restore_rng_states(saved, cpu)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_checkpoint_root_prefers_the_config_then_the_environment(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_root("/data/ckpt", "/env/ckpt") == Path("/data/ckpt")
+    assert checkpoint_root(None, "/env/ckpt") == Path("/env/ckpt")
+    assert checkpoint_root(None, None) == tmp_path / "checkpoints"
+
+
+def test_checkpoint_config_fields_and_errors():
+    section = parse_config({}).checkpoint
+    assert (section.interval_steps, section.interval_minutes, section.keep_last, section.keep_every) == (0, 0, 3, 0)
+    assert (section.directory, section.resume, section.async_save) == (None, None, True)
+    assert not section.saves
+    assert parse_config({"checkpoint": {"interval_minutes": 0.5}}).checkpoint.saves
+    with pytest.raises(ConfigError) as error:
+        parse_config({"checkpoint": {"keep_last": 0, "interval_steps": -1, "resume": ""}})
+    assert set(error.value.errors) == {"checkpoint.keep_last", "checkpoint.interval_steps", "checkpoint.resume"}
+
+
+# Whole runs under torchrun.
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[FinishedRun, Path]:
+    """FSDP 2, STEPS steps, a checkpoint after every one; the newest 2 and every 3rd are kept."""
+    workdir = tmp_path_factory.mktemp("straight")
+    directory = workdir / "checkpoints"
+    checkpoint = {"interval_steps": 1, "keep_last": 2, "keep_every": 3, "directory": str(directory)}
+    run = run_trainer(workdir, fsdp2(checkpoint), extra_env={"LOOM_RUN_ID": RUN_ID, "LOOM_ATTEMPT": ATTEMPT})
+    assert run.returncode == 0, run.output[-4000:]
+    return run, directory
+
+
+@pytest.fixture(scope="module")
+def corrupted(straight, tmp_path_factory) -> Path:
+    """A copy of the straight run's checkpoints with the newest damaged, next to decoys that look
+    newer but are not committed: a temporary directory with a manifest, and one without a manifest."""
+    _, directory = straight
+    copy = tmp_path_factory.mktemp("corrupted") / "checkpoints"
+    shutil.copytree(directory, copy)
+    shard = copy / "step-000006" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    shutil.copytree(copy / "step-000005", copy / "step-000009.tmp-a3-deadbeef")
+    shutil.copytree(copy / "step-000005", copy / "step-000008")
+    (copy / "step-000008" / MANIFEST).unlink()
+    return copy
+
+
+@pytest.mark.slow
+def test_retention_keeps_the_newest_two_and_every_third_and_reports_deletions(straight):
+    run, directory = straight
+    assert sorted(path.name for path in directory.iterdir()) == ["step-000003", "step-000005", "step-000006"]
+    deleted = checkpoint_events(run, "deleted")
+    assert [(event["step"], event["path"]) for event in deleted] == [
+        (step, str(directory / f"step-{step:06d}")) for step in (1, 2, 4)
+    ]
+    assert all(f"deleted checkpoint {directory / f'step-{step:06d}'}" in run.output for step in (1, 2, 4))
+
+
+@pytest.mark.slow
+def test_every_commit_is_reported_once_by_rank_zero(straight):
+    run, directory = straight
+    committed = [(rank, event["payload"]) for rank, event in run.events("checkpoint")]
+    committed = [(rank, payload) for rank, payload in committed if payload["state"] == "committed"]
+    assert [payload["step"] for _, payload in committed] == list(range(1, STEPS + 1))
+    assert {rank for rank, _ in committed} == {0}
+    parent = None
+    for (_, payload), loss_mean in zip(committed, run.loss_means(), strict=True):
+        path = directory / f"step-{payload['step']:06d}"
+        assert payload["path"] == str(path) and payload["parent"] == parent
+        assert payload["world_size"] == 2 and payload["layout"]["dp_shard"] == 2
+        assert payload["loss"] == loss_mean
+        assert payload["bytes"] > 0
+        assert 0 < payload["stall_s"] <= payload["save_s"]
+        parent = str(path)
+
+
+@pytest.mark.slow
+def test_committed_manifests_hold_the_sizes_and_checksums_of_the_files(straight):
+    run, directory = straight
+    losses = run.loss_means()
+    for path in sorted(directory.iterdir()):
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = sorted(file.name for file in path.iterdir() if file.name != MANIFEST)
+        assert [entry["path"] for entry in manifest["files"]] == files
+        assert any(name.endswith(".distcp") for name in files) and ".metadata" in files
+        for entry in manifest["files"]:
+            data = (path / entry["path"]).read_bytes()
+            assert entry["bytes"] == len(data)
+            assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+        assert manifest["bytes"] == sum(entry["bytes"] for entry in manifest["files"])
+        step = manifest["step"]
+        assert path.name == f"step-{step:06d}"
+        assert (manifest["run_id"], manifest["attempt"]) == (RUN_ID, int(ATTEMPT))
+        assert manifest["layout"] == parse_config(fsdp2({})).parallel.model_dump()
+        assert manifest["world_size"] == 2
+        assert manifest["parent"] == str(directory / f"step-{step - 1:06d}")
+        assert manifest["data"] == {"next_step": step + 1, "seed": 0}
+        assert manifest["lr_schedule"]["step"] == step and manifest["lr_schedule"]["total_steps"] == STEPS
+        assert manifest["loss"] == losses[step - 1]
+        assert len(base64.b64decode(manifest["rng"]["cpu"])) == torch.get_rng_state().numel()
+        assert manifest["rng"]["cuda"] is None
+
+
+@pytest.mark.slow
+def test_resuming_halfway_repeats_the_straight_run_exactly(straight, tmp_path):
+    """The resumed run also saves, by the clock and written while training waits: neither changes the math."""
+    run, directory = straight
+    resumed_from = directory / "step-000003"
+    own_directory = tmp_path / "checkpoints"
+    checkpoint = {"resume": str(resumed_from), "interval_minutes": 1e-4, "async_save": False}
+    resumed = run_trainer(tmp_path, fsdp2({**checkpoint, "directory": str(own_directory)}))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert metric_steps(resumed) == list(range(HALF + 1, STEPS + 1))
+    assert resumed.loss_means() == run.loss_means()[HALF:]
+    reference = run.parameters()
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in resumed.parameters().items())
+    assert sorted(resumed.parameters()) == sorted(reference)
+    (loaded,) = checkpoint_events(resumed, "loaded")
+    assert loaded["step"] == HALF and loaded["path"] == str(resumed_from)
+    committed = checkpoint_events(resumed, "committed")
+    assert [(event["step"], event["parent"]) for event in committed] == [
+        (4, str(resumed_from)),
+        (5, str(own_directory / "step-000004")),
+        (6, str(own_directory / "step-000005")),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param({"tp": 2}, id="tp2"),
+        pytest.param({"pp": 2, "pp_schedule": "1F1B", "microbatches": 2}, id="pp2_1f1b"),
+    ],
+)
+def test_an_fsdp_checkpoint_resumes_in_another_layout(straight, tmp_path, layout):
+    run, directory = straight
+    resumed = run_trainer(tmp_path, document({"resume": str(directory / "step-000003")}, **layout))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert metric_steps(resumed) == list(range(HALF + 1, STEPS + 1))
+    assert_same_math(resumed, run)
+
+
+@pytest.mark.slow
+def test_latest_falls_back_past_a_corrupt_checkpoint_and_never_takes_an_uncommitted_one(straight, corrupted, tmp_path):
+    run, _ = straight
+    resumed = run_trainer(tmp_path, fsdp2({"resume": "latest", "directory": str(corrupted)}))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    (corrupt,) = checkpoint_events(resumed, "corrupt")
+    assert corrupt["step"] == 6 and corrupt["path"] == str(corrupted / "step-000006")
+    assert corrupt["error"] == "step-000006/__0_0.distcp: sha256 mismatch"
+    assert "checkpoint step-000006 is corrupt (step-000006/__0_0.distcp: sha256 mismatch)" in resumed.output
+    (loaded,) = checkpoint_events(resumed, "loaded")
+    assert loaded["step"] == 5
+    assert metric_steps(resumed) == [6]
+    assert resumed.loss_means() == run.loss_means()[5:]
+
+
+@pytest.mark.slow
+def test_an_explicit_corrupt_checkpoint_fails_naming_the_file(corrupted, tmp_path):
+    run = run_trainer(tmp_path, document({"resume": str(corrupted / "step-000006")}))
+    assert run.returncode != 0
+    assert "CheckpointCorrupt: step-000006/__0_0.distcp: sha256 mismatch" in run.output
+    assert run.events("metric") == []
+
+
+def wait_for_output(workdir: Path, text: str, process, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    output = workdir / "output.log"
+    while text not in output.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, output.read_text()[-4000:]
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_sigterm_commits_a_checkpoint_of_the_last_completed_step(tmp_path):
+    directory = tmp_path / "checkpoints"
+    process = start_trainer(tmp_path, fsdp2({"interval_steps": 1000, "directory": str(directory)}, steps=100_000))
+    try:
+        wait_for_output(tmp_path, "step 3/", process)
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    run = started_run_result(tmp_path, process)
+    stopped = [event["payload"] for _, event in run.events("state") if event["payload"]["state"] == "stopped"]
+    assert len(stopped) == 2 and stopped[0]["step"] == stopped[1]["step"] >= 3, run.output[-4000:]
+    last_step = stopped[0]["step"]
+    (checkpoint,) = committed_checkpoints(directory)
+    assert checkpoint.name == f"step-{last_step:06d}"
+    assert verify(checkpoint)["step"] == last_step
+    (committed,) = checkpoint_events(run, "committed")
+    assert committed["step"] == last_step and committed["parent"] is None

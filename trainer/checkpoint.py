@@ -1,0 +1,591 @@
+"""Checkpoints: model and optimizer state through torch.distributed.checkpoint (DCP), committed atomically.
+
+On disk, under the checkpoint directory:
+
+    step-000010/                  committed: the name has no suffix and manifest.json lists every file
+        .metadata  __0_0.distcp  __1_0.distcp  …   DCP's files, one or more per rank
+        manifest.json             run, attempt, step, layout, world size, parent, data position, RNG,
+                                  learning-rate schedule, loss, and every file with its size and sha256
+    step-000020.tmp-<nonce>/      being written (or abandoned by a crash): never loaded
+
+Every rank writes its shards into the temporary directory; when DCP's finish step tells rank 0 that
+all ranks are done (its .metadata is written only after gathering every rank's results), rank 0
+hashes the files, writes the manifest and renames the directory. A rename is atomic, so a reader
+sees a checkpoint whole or not at all; loading hashes every file again, so one damaged afterwards
+is refused, naming the file.
+
+State is keyed by full parameter names (`blocks.7.attention.wq.weight`), which pipeline stages keep,
+and the optimizer's state is flattened per parameter, so DCP reshards a checkpoint from any layout
+into any other. Data and the learning rate are pure functions of the step, so the step is the
+data-loader and scheduler position.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+from trainer.config import RunConfig
+from trainer.telemetry import TelemetryClient
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+COMMITTED_NAME = re.compile(r"^step-(\d+)$")
+HASH_CHUNK_BYTES = 1 << 20
+DEFAULT_DIRECTORY = "checkpoints"
+
+logger = logging.getLogger("trainer.checkpoint")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names it and says why."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint whose files are missing, truncated or changed since it was committed."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a committed checkpoint's directory name; None for any other name."""
+    match = COMMITTED_NAME.match(path.name)
+    return int(match[1]) if match else None
+
+
+def checkpoint_root(configured: str | None, from_environment: str | None) -> Path:
+    """The directory that holds this run's checkpoints, absolute: the config's, else $LOOM_CHECKPOINT_DIR,
+    else `checkpoints` in the working directory."""
+    return Path(configured or from_environment or DEFAULT_DIRECTORY).absolute()
+
+
+# Files and manifests: plain Python, no process group.
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_files(directory: Path) -> list[dict[str, Any]]:
+    """Every file of a checkpoint except its manifest, by name, with its size and sha256."""
+    files = sorted(path for path in directory.iterdir() if path.is_file() and path.name != MANIFEST)
+    return [{"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_of(path)} for path in files]
+
+
+def fsync_directory(directory: Path) -> None:
+    """Makes renames and new entries in the directory survive a crash of the machine."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Adds the files' sizes and checksums to the manifest and writes it, durably, into the directory."""
+    files = describe_files(directory)
+    manifest = {**manifest, "files": files, "bytes": sum(entry["bytes"] for entry in files)}
+    with (directory / MANIFEST).open("w") as file:
+        json.dump(manifest, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+    fsync_directory(directory)
+    return manifest
+
+
+def commit(temporary: Path, final: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Writes the manifest into the fully written temporary directory, then renames it to its final name.
+
+    A committed checkpoint of the same step (a resumed run passing a step again) is replaced: it is
+    renamed away first, so there is never a moment where a mix of the two looks committed."""
+    manifest = write_manifest(temporary, manifest)
+    replaced = final.with_name(f"{temporary.name}.replaced") if final.exists() else None
+    if replaced is not None:
+        os.rename(final, replaced)
+    os.rename(temporary, final)
+    fsync_directory(final.parent)
+    if replaced is not None:
+        logger.info("replaced the older checkpoint %s", final)
+        shutil.rmtree(replaced)
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointCorrupt(f"{directory.name}/{MANIFEST}: missing, so the checkpoint was never committed")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointCorrupt(f"{directory.name}/{MANIFEST}: unreadable ({error})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        raise CheckpointCorrupt(f"{directory.name}/{MANIFEST}: has no list of files")
+    return manifest
+
+
+def file_problem(directory: Path, entry: dict[str, Any]) -> str | None:
+    """What is wrong with one file the manifest lists, or None when it is as committed."""
+    path = directory / entry["path"]
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"size {size} bytes, the manifest says {entry['bytes']}"
+    if sha256_of(path) != entry["sha256"]:
+        return "sha256 mismatch"
+    return None
+
+
+def problems_in(directory: Path, entries: list[dict[str, Any]]) -> list[str]:
+    return [
+        f"{directory.name}/{entry['path']}: {problem}"
+        for entry in entries
+        if (problem := file_problem(directory, entry)) is not None
+    ]
+
+
+def verify(directory: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint whose every file checks out; CheckpointCorrupt names the first that does not."""
+    manifest = read_manifest(directory)
+    problems = problems_in(directory, manifest["files"])
+    if problems:
+        raise CheckpointCorrupt(problems[0])
+    return manifest
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """Directories that look committed (final name, manifest present), oldest step first.
+    Whether their files still check out is for verify() to say."""
+    if not root.is_dir():
+        return []
+    found = [path for path in root.iterdir() if step_of(path) is not None and (path / MANIFEST).is_file()]
+    return sorted(found, key=step_of)
+
+
+def latest_good(
+    root: Path,
+    check: Callable[[Path], dict[str, Any]],
+    on_corrupt: Callable[[Path, CheckpointCorrupt], None],
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest committed checkpoint that `check` accepts, with its manifest; corrupt ones are
+    reported to on_corrupt and skipped. None when no committed checkpoint checks out."""
+    for path in reversed(committed_checkpoints(root)):
+        try:
+            return path, check(path)
+        except CheckpointCorrupt as error:
+            on_corrupt(path, error)
+    return None
+
+
+def steps_to_delete(steps: list[int], committed_step: int, keep_last: int, keep_every: int) -> list[int]:
+    """Retention once committed_step is committed: the newest keep_last steps stay, and every multiple of
+    keep_every (0: none). Steps past committed_step go: a run resumed from an earlier checkpoint left
+    their branch behind, and "latest" must not lead back to it."""
+    lineage = sorted(step for step in steps if step <= committed_step)
+    newest = set(lineage[-keep_last:])
+    milestones = {step for step in lineage if keep_every and step % keep_every == 0}
+    return sorted(set(steps) - newest - milestones)
+
+
+# Model and optimizer state under full parameter names.
+
+# training_state() holds a rank's stages in an nn.ModuleList, which numbers them (0., 1., …); the
+# names in a checkpoint must not depend on how a layout spreads stages over ranks, so the number is
+# taken off. Flattened optimizer keys carry it after their section: state.0.blocks.3.….exp_avg.
+STAGE_NUMBER = re.compile(r"^((?:state|param_groups)\.)?\d+\.")
+# One entry per parameter instead of per param group, so a rank holding other stages finds its own.
+FLATTENED = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def without_stage_number(key: str) -> str:
+    return STAGE_NUMBER.sub(r"\1", key, count=1)
+
+
+class FullNameState:
+    """A Stateful view DCP saves and loads: keys renamed to full parameter names on the way out and
+    back to this rank's holder on the way in."""
+
+    def __init__(self, holder: nn.Module, get: Callable[[], dict[str, Any]], put: Callable[[dict[str, Any]], Any]):
+        self.holder = holder
+        self._get = get
+        self._put = put
+        self._holder_keys: dict[str, str] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        reshard(self.holder)
+        local = self._get()
+        self._holder_keys = {without_stage_number(key): key for key in local}
+        return {without_stage_number(key): value for key, value in local.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        reshard(self.holder)
+        self._put({self._holder_keys[key]: value for key, value in state_dict.items()})
+
+
+def training_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, FullNameState]:
+    """What DCP saves and loads: this rank's stages and the one optimizer over all of them."""
+    holder = nn.ModuleList(modules)
+    return {
+        "model": FullNameState(
+            holder,
+            lambda: get_model_state_dict(holder),
+            lambda state: set_model_state_dict(holder, state),
+        ),
+        "optimizer": FullNameState(
+            holder,
+            lambda: get_optimizer_state_dict(holder, optimizer, options=FLATTENED),
+            lambda state: set_optimizer_state_dict(holder, optimizer, state, options=FLATTENED),
+        ),
+    }
+
+
+def reshard(holder: nn.Module) -> None:
+    """FSDP2 can leave a root's parameters gathered (after a forward without grad); state dicts need shards."""
+    for module in holder.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+# Random-number generators. Every rank seeds them alike and draws the same numbers (batches come
+# from their own generator), so rank 0's states stand for all ranks.
+
+
+def rng_states(device: torch.device) -> dict[str, str | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": _encode(torch.get_rng_state()), "cuda": _encode(cuda) if cuda is not None else None}
+
+
+def restore_rng_states(states: dict[str, str | None], device: torch.device) -> None:
+    torch.set_rng_state(_decode(states["cpu"]))
+    if device.type == "cuda" and states.get("cuda") is not None:
+        torch.cuda.set_rng_state(_decode(states["cuda"]), device)
+
+
+def _encode(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+# Saving, committing and loading across ranks.
+
+
+@dataclass(frozen=True)
+class Restored:
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+
+@dataclass
+class PendingSave:
+    step: int
+    temporary: Path
+    final: Path
+    manifest: dict[str, Any]
+    started: float
+    # DCP's future: done on a rank once every rank's files are written (its finish step gathers them all).
+    upload: Future
+    stall_s: float = 0.0
+    # Rank 0 only: the manifest written and the directory renamed.
+    committed: Future | None = None
+
+
+class Checkpointer:
+    """Saves, commits, retires and restores this run's checkpoints. Create, restore, save, finish and
+    close on every rank, in the same order: they are collective."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        modules: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        telemetry: TelemetryClient,
+        device: torch.device,
+        root: Path,
+        run_id: str | None,
+        attempt: int | None,
+    ):
+        self.config = config
+        self.settings = config.checkpoint
+        self.optimizer = optimizer
+        self.telemetry = telemetry
+        self.device = device
+        self.root = root
+        self.run_id = run_id
+        self.attempt = attempt
+        self.state = training_state(modules, optimizer)
+        # Background saves run their collectives on a group of their own, so they never interleave
+        # with the training step's collectives; gloo, because async saves need a CPU group.
+        self.group = dist.new_group(backend="gloo")
+        self.is_committer = dist.get_rank() == 0
+        self.nonce = self._shared_nonce()
+        cuda = device.type == "cuda"
+        # Staged copies are cached and reused by the next save, which waits for this one first.
+        staging = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+        )
+        self.stager = DefaultStager(staging) if self.settings.async_save else None
+        self.committer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit") if self.is_committer else None
+        self.pending: PendingSave | None = None
+        self.parent: Path | None = None
+        self.last_saved_step: int | None = None
+        self.last_save_time = time.monotonic()
+
+    def _shared_nonce(self) -> str:
+        """Names this attempt's temporary directories; rank 0 draws it so every rank writes to the same one."""
+        attempt = f"a{self.attempt}" if self.attempt is not None else "local"
+        nonce = [f"{attempt}-{secrets.token_hex(4)}"]
+        dist.broadcast_object_list(nonce, src=0, group=self.group)
+        return nonce[0]
+
+    # Restoring.
+
+    def restore(self) -> Restored | None:
+        """Loads the checkpoint `resume` names into the model, optimizer and RNGs; None to start fresh."""
+        resume = self.settings.resume
+        if resume is None:
+            return None
+        if resume == "latest":
+            chosen = latest_good(self.root, self.verify, self._report_corrupt)
+            if chosen is None:
+                if self.is_committer:
+                    logger.info("no committed checkpoint in %s; starting from step 1", self.root)
+                return None
+            path, manifest = chosen
+        else:
+            path = Path(resume).absolute()
+            manifest = self.verify(path)
+        self._check_model(path, manifest)
+        started = time.perf_counter()
+        dcp.load(self.state, checkpoint_id=path, process_group=self.group)
+        restore_rng_states(manifest["rng"], self.device)
+        restored = Restored(path, manifest["step"], manifest)
+        self.parent = path
+        self.last_saved_step = restored.step
+        self._report_restored(restored, time.perf_counter() - started)
+        return restored
+
+    def verify(self, path: Path) -> dict[str, Any]:
+        """verify(), with the hashing split over the ranks; every rank gets the same answer."""
+        rank, world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        manifest: dict[str, Any] = {}
+        try:
+            manifest = read_manifest(path)
+            my_share = manifest["files"][rank::world_size]
+            problems = [(CheckpointCorrupt, problem) for problem in problems_in(path, my_share)]
+        except CheckpointError as error:
+            problems = [(type(error), str(error))]
+        gathered: list[list[tuple[type[CheckpointError], str]] | None] = [None] * world_size
+        dist.all_gather_object(gathered, problems, group=self.group)
+        for error_type, message in (problem for rank_problems in gathered for problem in rank_problems):
+            raise error_type(message)
+        return manifest
+
+    def _check_model(self, path: Path, manifest: dict[str, Any]) -> None:
+        saved, wanted = manifest.get("model") or {}, self.config.model.model_dump()
+        differing = [f"model.{key}={saved.get(key)!r}" for key in wanted if saved.get(key) != wanted[key]]
+        if differing:
+            raise CheckpointError(
+                f"{path.name}: saved for another model ({', '.join(differing)}); resume with that model section"
+            )
+
+    def _report_corrupt(self, path: Path, error: CheckpointCorrupt) -> None:
+        if self.is_committer:
+            logger.warning("checkpoint %s is corrupt (%s); falling back to the one before it", path.name, error)
+            self.telemetry.emit(
+                "checkpoint", {"state": "corrupt", "step": step_of(path), "path": str(path), "error": str(error)}
+            )
+
+    def _report_restored(self, restored: Restored, load_s: float) -> None:
+        if self.is_committer:
+            manifest = restored.manifest
+            logger.info(
+                "resumed from %s (step %d, saved by %d ranks) in %.2f s",
+                restored.path,
+                restored.step,
+                manifest["world_size"],
+                load_s,
+            )
+            payload = {
+                "state": "loaded",
+                "step": restored.step,
+                "path": str(restored.path),
+                "layout": manifest["layout"],
+                "world_size": manifest["world_size"],
+                "load_s": load_s,
+            }
+            self.telemetry.emit("checkpoint", payload, step=restored.step)
+
+    # Saving.
+
+    def due(self, step: int) -> bool:
+        """Whether the step count says to save after this step."""
+        interval = self.settings.interval_steps
+        return interval > 0 and step % interval == 0
+
+    def due_by_time(self) -> bool:
+        """This rank's clock says a save is due; ranks vote, so they all save after the same step."""
+        minutes = self.settings.interval_minutes
+        return minutes > 0 and time.monotonic() - self.last_save_time >= minutes * 60
+
+    def save(self, step: int, loss: float) -> None:
+        """Saves the state after `step`. Training is blocked (stall_s) while the previous save finishes and
+        this one is copied to host memory (pinned on CUDA), or written, with async_save off; rank 0
+        hashes, commits and retires old checkpoints in the background either way."""
+        started = time.perf_counter()
+        self.wait()
+        temporary = self.root / f"{checkpoint_name(step)}.tmp-{self.nonce}"
+        manifest = self._manifest(step, loss)
+        writer = dcp.FileSystemWriter(temporary)
+        if self.stager is not None:
+            upload = dcp.async_save(
+                self.state, storage_writer=writer, process_group=self.group, async_stager=self.stager
+            )
+        else:
+            upload = Future()
+            upload.set_result(dcp.save(self.state, storage_writer=writer, process_group=self.group))
+        pending = PendingSave(step, temporary, self.root / checkpoint_name(step), manifest, started, upload)
+        pending.stall_s = time.perf_counter() - started
+        if self.committer is not None:
+            pending.committed = self.committer.submit(self._commit, pending)
+        self.pending = pending
+        self.last_saved_step = step
+        self.last_save_time = time.monotonic()
+
+    def finish(self, last_step: int, loss: float | None) -> None:
+        """Saves the last completed step unless it is saved already (a stopped or finished run), then
+        waits for every save to be committed."""
+        if self.settings.saves and loss is not None and self.last_saved_step != last_step:
+            self.save(last_step, loss)
+        self.wait()
+
+    def wait(self) -> None:
+        """Blocks until the pending save is written by every rank and, on rank 0, committed.
+        A failed save is reported and training goes on; the next save tries again."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            (pending.committed or pending.upload).result()
+        except Exception as error:
+            logger.error("checkpoint of step %d failed: %s", pending.step, error)
+            if self.is_committer:
+                payload = {"state": "failed", "step": pending.step, "path": str(pending.temporary), "error": str(error)}
+                self.telemetry.emit("checkpoint", payload, step=pending.step)
+
+    def close(self) -> None:
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+        if self.committer is not None:
+            self.committer.shutdown()
+
+    def _manifest(self, step: int, loss: float) -> dict[str, Any]:
+        optimizer = self.config.optimizer
+        return {
+            "format": MANIFEST_FORMAT,
+            "run_id": self.run_id,
+            "attempt": self.attempt,
+            "step": step,
+            "created_at": datetime.now(UTC).isoformat(),
+            "layout": self.config.parallel.model_dump(),
+            "world_size": self.config.parallel.world_size,
+            "model": self.config.model.model_dump(),
+            "parent": str(self.parent) if self.parent is not None else None,
+            # Batches are a pure function of (seed, step): the next step is the whole loader position.
+            "data": {"next_step": step + 1, "seed": self.config.data.seed},
+            "rng": rng_states(self.device),
+            # Likewise the learning rate: warmup then cosine over total_steps, evaluated at each step.
+            "lr_schedule": {
+                "step": step,
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "total_steps": self.config.steps,
+                "peak_lr": optimizer.lr,
+                "warmup_steps": optimizer.warmup_steps,
+                "min_lr_ratio": optimizer.min_lr_ratio,
+            },
+            "loss": loss,
+        }
+
+    def _commit(self, pending: PendingSave) -> None:
+        """Rank 0, in the background: once every rank has written, seal the checkpoint and retire old ones."""
+        pending.upload.result()
+        manifest = commit(pending.temporary, pending.final, pending.manifest)
+        save_s = time.perf_counter() - pending.started
+        self.parent = pending.final
+        logger.info(
+            "checkpoint %s committed: %.1f MB, training blocked %.3f s of %.3f s",
+            pending.final,
+            manifest["bytes"] / 1e6,
+            pending.stall_s,
+            save_s,
+        )
+        payload = {
+            "state": "committed",
+            "step": pending.step,
+            "path": str(pending.final),
+            "bytes": manifest["bytes"],
+            "layout": manifest["layout"],
+            "world_size": manifest["world_size"],
+            "parent": manifest["parent"],
+            "stall_s": pending.stall_s,
+            "save_s": save_s,
+            "loss": manifest["loss"],
+        }
+        self.telemetry.emit("checkpoint", payload, step=pending.step)
+        self._retire_old(pending.step)
+
+    def _retire_old(self, committed_step: int) -> None:
+        by_step = {step_of(path): path for path in committed_checkpoints(self.root)}
+        settings = self.settings
+        for step in steps_to_delete(list(by_step), committed_step, settings.keep_last, settings.keep_every):
+            path = by_step[step]
+            # Renamed first: a directory half deleted must not keep its committed name.
+            doomed = path.with_name(f"{path.name}.deleting-{self.nonce}")
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
+            reason = (
+                f"after step {committed_step}, on a branch left behind"
+                if step > committed_step
+                else f"keep_last {settings.keep_last}, keep_every {settings.keep_every}"
+            )
+            logger.info("deleted checkpoint %s (%s)", path, reason)
+            self.telemetry.emit("checkpoint", {"state": "deleted", "step": step, "path": str(path)}, step=step)
