@@ -1,0 +1,53 @@
+"""The planner's predicted traffic matrix against the one a real pp2 × dp2 × tp2 run measures."""
+
+import pytest
+
+from tests.trainer.torchrun import run_trainer
+from trainer.config import parse_config
+from trainer.plan.traffic import predicted_matrix
+from trainer.traffic import traffic_matrix
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+HYBRID_RUN = {
+    "steps": STEPS,
+    "model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 64},
+    "parallel": {"pp": 2, "dp_shard": 2, "tp": 2, "microbatches": 2},
+    "compute": {"precision": "fp32"},
+    "data": {"micro_batch": 4, "corpus_bytes": 200_000},
+    "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60, "comm": True, "comm_window_steps": 1},
+}
+KINDS = ("tp", "dp", "pp")
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """The traffic of the steps after the first, per step. The first also runs the pipeline's shape
+    inference (one extra forward) and is left out: the planner predicts a steady-state step."""
+    run = run_trainer(tmp_path_factory.mktemp("hybrid"), HYBRID_RUN)
+    assert run.returncode == 0, run.output[-4000:]
+    rows = [event["payload"] for _, event in run.events("comm") if event["payload"]["window"][0] > 1]
+    assert len(rows) == 8 * (STEPS - 1)
+    matrix = traffic_matrix(rows)
+    return {kind: [[nbytes / (STEPS - 1) for nbytes in row] for row in matrix.by_kind[kind]] for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def predicted():
+    return predicted_matrix(parse_config(HYBRID_RUN)).by_kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_same_pairs_talk(kind, measured, predicted):
+    pairs = lambda matrix: {(i, j) for i, row in enumerate(matrix) for j, value in enumerate(row) if value}  # noqa: E731
+    assert pairs(predicted[kind]) == pairs(measured[kind])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_volumes_agree_within_ten_percent(kind, measured, predicted):
+    for source, row in enumerate(measured[kind]):
+        for destination, nbytes in enumerate(row):
+            if nbytes:
+                expected = predicted[kind][source][destination]
+                assert abs(expected - nbytes) <= 0.1 * nbytes, (kind, source, destination, expected, nbytes)
