@@ -5,7 +5,10 @@ and the on/off ratio of the medians over all launches (below 1.05: within the 5 
     .venv/bin/python benchmarks/comm_overhead.py                    # 3 launches each way, 40 steps each
     .venv/bin/python benchmarks/comm_overhead.py --launches 5 --steps 60
 
-The first WARMUP_STEPS steps of each launch (allocator warm-up, DDP's bucket rebuild) are left out.
+The first WARMUP_STEPS steps of each launch (allocator warm-up, DDP's bucket rebuild) are left out. Other work on the
+machine slows whichever launch it overlaps, so the script also prints the load average around the measurement and
+the ratio of the 10th percentiles: the recorder's cost is paid on every step, fast ones included, while other load
+mostly adds slow ones.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     measured: dict[bool, list[float]] = {True: [], False: []}
+    load_before = os.getloadavg()[0]
     for launch in range(args.launches):
         for comm in (False, True):
             times = step_times(demo_run(args.steps, comm))[WARMUP_STEPS:]
@@ -70,6 +74,13 @@ def main() -> None:
             print(f"launch {launch + 1} comm {state}: median step {statistics.median(times) * 1e3:.1f} ms")
     on, off = statistics.median(measured[True]), statistics.median(measured[False])
     print(f"median step: comm on {on * 1e3:.1f} ms, off {off * 1e3:.1f} ms, on/off {on / off:.3f}")
+    on, off = tenth_percentile(measured[True]), tenth_percentile(measured[False])
+    print(f"10th percentile step: comm on {on * 1e3:.1f} ms, off {off * 1e3:.1f} ms, on/off {on / off:.3f}")
+    print(f"load average (1 min) before {load_before:.2f}, after {os.getloadavg()[0]:.2f}")
+
+
+def tenth_percentile(times: list[float]) -> float:
+    return statistics.quantiles(times, n=10)[0]
 
 
 if __name__ == "__main__":

@@ -1,17 +1,21 @@
 """The collective recorder: every collective and point-to-point op the training steps issue,
 reported as one `comm` event per window of steps (this rank's row of the traffic matrix).
 
-A TorchDispatchMode sees each op this thread dispatches, including the ones PyTorch issues from
-C++ on its behalf: DDP's reducer all-reduces gradient buckets from autograd hooks, FSDP2 gathers
-and reduce-scatters through c10d ops, DTensor (TP) redistributes through functional collectives,
-and pipeline stages send and receive activations. The ops run untouched; the mode only reads
-sizes (numel × element size, never a copy) and the group, and times each op from issue to
-completion where the op says when it completed.
+While a recorder records, a kernel of ours sits in the dispatcher in front of the backend kernel of
+each c10d and functional-collective op, and of nothing else: every other op runs as it would
+without the recorder, so the cost is a few microseconds per collective. The kernels see the ops
+PyTorch issues on the training's behalf from any thread: DDP's reducer all-reduces gradient buckets
+from autograd hooks, FSDP2 gathers and reduce-scatters through c10d ops, DTensor (TP) redistributes
+through functional collectives, pipeline stages send and receive activations, and compiled code
+issues its collectives when it runs. The ops run untouched; a kernel only reads sizes (numel ×
+element size, never a copy) and the group, and times each op from issue to completion where the op
+says when it completed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,20 +23,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from trainer.config import TelemetryConfig
 from trainer.parallel.mesh import ParallelMesh
 from trainer.telemetry import TelemetryClient
 from trainer.traffic import KIND_OF_MESH_DIM, CommOp, TrafficRow, group_kind
-
-# These subclasses turn into collectives only once they run their own dispatch: declining them
-# lets them do so with the mode still active, so the collectives they issue are seen.
-SUBCLASSES_THAT_ISSUE_COLLECTIVES = (DTensor, AsyncCollectiveTensor)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -116,6 +113,24 @@ def _overloads(namespace: str, readers: dict[str, Callable]) -> dict[torch._ops.
     }
 
 
+READERS = _overloads("c10d", C10D_OPS) | _overloads("_c10d_functional", FUNCTIONAL_OPS)
+# A functional collective completes when its output is waited on.
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+HOOKED_OPS = (*READERS, WAIT_TENSOR)
+
+# BackendSelect comes after autograd, tensor subclasses (DTensor, AsyncCollectiveTensor) and dispatch modes
+# (FakeTensorMode) and right before the backend kernel, so a kernel there sees each op once, on plain tensors.
+# No hooked op has a kernel of its own at this key (installing checks), and without ours the dispatcher skips it.
+HOOK_KEY = "BackendSelect"
+_BELOW_HOOK = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+_META = torch._C.DispatchKey.Meta
+
+
+def hook_installed() -> bool:
+    """Whether a CollectiveCapture's kernels are in the dispatcher now."""
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), HOOK_KEY) for op in HOOKED_OPS)
+
+
 class _Timing:
     """Issue time and, once the op reports it, completion time (perf_counter seconds)."""
 
@@ -133,49 +148,112 @@ class _Timing:
         return None if self.completed_at is None else self.completed_at - self.issued_at
 
 
-class CollectiveCapture(TorchDispatchMode):
-    """While entered, keeps every collective and point-to-point op this thread dispatches.
+class _InsideKeptOp(threading.local):
+    """Whether this thread is running a kept op's backend kernel."""
 
-    Other threads (telemetry, heartbeats) are not seen: dispatch modes are thread-local, and the
-    autograd engine carries them into its own threads. Ops on fake tensors (tracing, sharding
-    propagation) move no data and are not kept.
+    active = False
+
+
+class CollectiveCapture:
+    """While entered, keeps every collective and point-to-point op the process issues, from any thread.
+
+    The first entry installs the kernels; leaving keeps them installed (installing costs about a
+    millisecond, too much to pay every step) but keeps nothing more, and remove() takes them out of the
+    dispatcher again. Ops on fake or meta tensors (tracing, sharding propagation) move no data and are
+    not kept.
+
+    The kernels run on whichever thread issues an op (the training thread, autograd's threads) and
+    Work futures complete on the backend's threads, so the kept ops and pending waits change under a
+    lock; a timing is written once, by whichever thread completes its op.
     """
 
     def __init__(self) -> None:
-        super().__init__()
-        self._readers = _overloads("c10d", C10D_OPS) | _overloads("_c10d_functional", FUNCTIONAL_OPS)
-        self._wait_tensor = torch.ops._c10d_functional.wait_tensor.default
-        # A functional collective completes when its output is waited on.
-        self._pending: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._keeping = False
+        self._inside_kept_op = _InsideKeptOp()
+        self._libraries: list[torch.library.Library] = []
+        self._lock = threading.Lock()
+        self._records: list[tuple[CommOp, _Timing]] = []
+        self._pending_waits: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._group_ranks: dict[str, tuple[int, ...]] = {}
-        self.records: list[tuple[CommOp, _Timing]] = []
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """Let torch.compile compile as if the mode were absent (else it falls back to eager);
-        compiled code still dispatches its collectives, so they are seen when they run."""
-        return True
+    def __enter__(self) -> CollectiveCapture:
+        if not self._libraries:
+            self._install()
+        self._keeping = True
+        return self
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if types and any(issubclass(kind, SUBCLASSES_THAT_ISSUE_COLLECTIVES) for kind in types):
-            return NotImplemented
-        reader = self._readers.get(func)
-        if reader is None or types:
-            output = func(*args, **kwargs) if kwargs else func(*args)
-            if func is self._wait_tensor and not types:
-                timing = self._pending.pop(args[0], None)
-                if timing is not None:
-                    timing.complete()
+    def __exit__(self, *_: object) -> None:
+        self._keeping = False
+
+    def remove(self) -> None:
+        """Take the kernels out: from now on the ops run as if no capture had been installed."""
+        self._keeping = False
+        for library in self._libraries:
+            library._destroy()
+        self._libraries = []
+
+    def take(self) -> list[tuple[CommOp, _Timing]]:
+        with self._lock:
+            records, self._records = self._records, []
+        return records
+
+    def _install(self) -> None:
+        if hook_installed():
+            raise RuntimeError(
+                f"a kernel is already registered at {HOOK_KEY} for a collective: another CollectiveCapture "
+                "is installed (remove() it first)"
+            )
+        libraries = {namespace: torch.library.Library(namespace, "IMPL") for namespace in ("c10d", "_c10d_functional")}
+        for op, reader in READERS.items():
+            libraries[op.namespace].impl(op, self._collective_kernel(op, reader), HOOK_KEY, with_keyset=True)
+        libraries[WAIT_TENSOR.namespace].impl(WAIT_TENSOR, self._wait_kernel, HOOK_KEY, with_keyset=True)
+        self._libraries = list(libraries.values())
+
+    def _collective_kernel(self, op: torch._ops.OpOverload, reader: Callable[[tuple], list[_Issued]]) -> Callable:
+        completes_at_wait = op.namespace == "_c10d_functional"
+
+        def kernel(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
+            # Redispatching below the hook reaches the backend kernel, never this kernel again; a functional
+            # collective's backend kernel issues a c10d op, which comes here nested and is the same traffic.
+            if not self._keeping or keyset.has(_META) or self._inside_kept_op.active:
+                return op.redispatch(keyset & _BELOW_HOOK, *args, **kwargs)
+            issued = reader(args)
+            timing = _Timing()
+            self._inside_kept_op.active = True
+            try:
+                output = op.redispatch(keyset & _BELOW_HOOK, *args, **kwargs)
+            finally:
+                self._inside_kept_op.active = False
+            self._keep(issued, timing)
+            if completes_at_wait:
+                self._await_wait(output, timing)
+            else:
+                _time_work(output, timing)
             return output
-        issued = reader(args)
-        timing = _Timing()
-        output = func(*args, **kwargs) if kwargs else func(*args)
+
+        return kernel
+
+    def _wait_kernel(self, keyset: torch._C.DispatchKeySet, tensor: torch.Tensor) -> torch.Tensor:
+        output = WAIT_TENSOR.redispatch(keyset & _BELOW_HOOK, tensor)
+        with self._lock:
+            timing = self._pending_waits.pop(tensor, None)
+        if timing is not None:
+            timing.complete()
+        return output
+
+    def _keep(self, issued: list[_Issued], timing: _Timing) -> None:
+        records = []
         for op in issued:
             group = self._ranks_of(op.group)
             peer = group[op.group_peer] if op.group_peer is not None else None
-            self.records.append((CommOp(op.op, group, op.nbytes, peer), timing))
-        self._track_completion(func.namespace, output, timing)
-        return output
+            records.append((CommOp(op.op, group, op.nbytes, peer), timing))
+        with self._lock:
+            self._records += records
+
+    def _await_wait(self, output: torch.Tensor | list[torch.Tensor], timing: _Timing) -> None:
+        with self._lock:
+            for tensor in output if isinstance(output, (list, tuple)) else [output]:
+                self._pending_waits[tensor] = timing
 
     def _ranks_of(self, group: Any) -> tuple[int, ...]:
         """Global ranks, in group-rank order, of a ProcessGroup script object or group name."""
@@ -191,21 +269,15 @@ class CollectiveCapture(TorchDispatchMode):
             ranks = self._group_ranks[name] = tuple(dist.get_process_group_ranks(process_group))
         return ranks
 
-    def _track_completion(self, namespace: str, output: Any, timing: _Timing) -> None:
-        if namespace == "_c10d_functional":
-            for tensor in output if isinstance(output, (list, tuple)) else [output]:
-                self._pending[tensor] = timing
-            return
-        work = output[-1] if isinstance(output, tuple) else output
-        if not isinstance(work, torch.ScriptObject):
-            return
-        with contextlib.suppress(RuntimeError):
-            # Works without a future (gloo's send and recv) leave the op untimed.
-            dist.distributed_c10d.Work.unbox(work).get_future().add_done_callback(timing.complete)
 
-    def take(self) -> list[tuple[CommOp, _Timing]]:
-        records, self.records = self.records, []
-        return records
+def _time_work(output: Any, timing: _Timing) -> None:
+    """Complete the timing when the c10d op's Work does."""
+    work = output[-1] if isinstance(output, tuple) else output
+    if not isinstance(work, torch.ScriptObject):
+        return
+    with contextlib.suppress(RuntimeError):
+        # Works without a future (gloo's send and recv) leave the op untimed.
+        dist.distributed_c10d.Work.unbox(work).get_future().add_done_callback(timing.complete)
 
 
 class CommRecorder:
@@ -229,7 +301,8 @@ class CommRecorder:
         self._time_s = 0.0
 
     def recording(self) -> contextlib.AbstractContextManager:
-        """Enter around a step's work: its collectives are recorded until step_finished."""
+        """Enter around a step's work: its collectives are recorded until step_finished. The first
+        entry installs the dispatcher kernels; flush() takes them out."""
         return self._capture
 
     def step_finished(self, step: int) -> None:
@@ -239,10 +312,14 @@ class CommRecorder:
             self._time_s += timing.duration_s or 0.0
         self._steps.append(step)
         if len(self._steps) >= self.window_steps:
-            self.flush()
+            self._emit_window()
 
     def flush(self) -> None:
-        """Emit the window so far, if it holds any step."""
+        """The run's steps are over: remove the dispatcher kernels and emit the window so far, if it holds any step."""
+        self._capture.remove()
+        self._emit_window()
+
+    def _emit_window(self) -> None:
         if not self._steps:
             return
         first, last = self._steps[0], self._steps[-1]
@@ -257,7 +334,7 @@ class CommRecorder:
 
 
 class NoCommRecorder:
-    """telemetry.comm is off: no dispatch mode is ever entered."""
+    """telemetry.comm is off: no kernel is ever registered."""
 
     def recording(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

@@ -254,7 +254,7 @@ class TelemetryConfig(_Section):
     heartbeat_interval_s: float = Field(5.0, gt=0, le=600, description="Seconds between liveness heartbeats.")
     comm: bool = Field(
         True,
-        description="Record every collective and send a rank × rank traffic matrix (<1 % of step time; see README).",
+        description="Record every collective and send a rank × rank traffic matrix (tens of µs each; see README).",
     )
     comm_window_steps: int = Field(10, ge=1, le=100_000, description="Steps summed into one traffic matrix.")
 

@@ -1,17 +1,19 @@
 """The collective recorder: ring byte formulas and matrix assembly (pure), what the capture reads from
-each op (one in-process rank), and real runs: a pp2×dp2×tp2 matrix, DDP's gradient all-reduce, the switch."""
+each op and how its dispatcher kernels come and go (one in-process rank), and real runs with the recorder on by
+default: a pp2×dp2×tp2 matrix, DDP's gradient all-reduce, and switched off."""
 
 import itertools
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from trainer.comm import CollectiveCapture, CommRecorder, NoCommRecorder, comm_recorder
+from trainer.comm import CollectiveCapture, CommRecorder, NoCommRecorder, comm_recorder, hook_installed
 from trainer.config import ParallelConfig, TelemetryConfig, parse_config
 from trainer.model import Transformer
 from trainer.parallel.mesh import ParallelMesh
@@ -158,8 +160,14 @@ def one_rank_world():
     dist.destroy_process_group()
 
 
-def captured(operation) -> list[CommOp]:
+@pytest.fixture
+def capture(one_rank_world):
     capture = CollectiveCapture()
+    yield capture
+    capture.remove()
+
+
+def captured(capture: CollectiveCapture, operation) -> list[CommOp]:
     with capture:
         operation()
     return [op for op, _ in capture.take()]
@@ -213,12 +221,12 @@ def floats(count: int) -> torch.Tensor:
         ),
     ],
 )
-def test_the_capture_reads_op_group_and_bytes(one_rank_world, name, operation, expected):
-    assert captured(operation) == [expected]
+def test_the_capture_reads_op_group_and_bytes(capture, name, operation, expected):
+    """Once per op: a functional collective's own c10d op is not counted a second time."""
+    assert captured(capture, operation) == [expected]
 
 
-def test_collectives_are_timed_to_their_completion(one_rank_world):
-    capture = CollectiveCapture()
+def test_collectives_are_timed_to_their_completion(capture):
     with capture:
         dist.all_reduce(floats(10))
         funcol.all_reduce(floats(10), "sum", dist.group.WORLD).wait()
@@ -227,39 +235,111 @@ def test_collectives_are_timed_to_their_completion(one_rank_world):
     assert all(timing.duration_s is not None and timing.duration_s >= 0 for timing in timings)
 
 
-def test_results_are_untouched(one_rank_world):
+def test_results_are_untouched(capture):
     tensor = torch.arange(6, dtype=torch.float32)
-    with CollectiveCapture():
+    with capture:
         dist.all_reduce(tensor)
         gathered = funcol.all_gather_single(tensor, 0, dist.group.WORLD).wait()
     assert torch.equal(tensor, torch.arange(6, dtype=torch.float32))
     assert torch.equal(gathered, tensor)
 
 
-def test_a_recorder_emits_a_row_per_window_and_the_rest_at_the_end(one_rank_world, tmp_path):
+def test_ops_outside_the_capture_and_on_fake_tensors_are_not_kept(capture):
+    with capture:
+        pass
+    dist.all_reduce(floats(4))
+    with capture, FakeTensorMode():
+        funcol.wait_tensor(funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD))
+    assert capture.take() == []
+
+
+def test_ops_from_other_threads_are_kept(capture):
+    """DDP's reducer all-reduces from autograd's threads; the kernels are not tied to the thread that entered."""
+    with capture:
+        worker = threading.Thread(target=lambda: dist.all_reduce(floats(3)))
+        worker.start()
+        worker.join()
+    assert [op for op, _ in capture.take()] == [CommOp("all_reduce", (0,), 12)]
+
+
+def test_compiled_code_runs_and_its_collectives_are_kept(capture):
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def reduce_twice(tensor):
+        return funcol.all_reduce(tensor * 2, "sum", dist.group.WORLD).wait() + 1
+
+    with capture:
+        result = reduce_twice(floats(5))
+        reduce_twice(floats(5))
+    assert torch.equal(result, torch.full((5,), 3.0))
+    assert [op for op, _ in capture.take()] == [CommOp("all_reduce", (0,), 20)] * 2
+
+
+def test_a_second_capture_is_refused_while_one_is_installed(capture):
+    with capture:
+        pass
+    with pytest.raises(RuntimeError, match="another CollectiveCapture is installed"), CollectiveCapture():
+        pass
+
+
+def one_rank_recorder(tmp_path, window_steps: int) -> tuple[CommRecorder, TelemetryClient]:
     mesh = ParallelMesh(ParallelConfig(), world_size=1, device_type="cpu")
     telemetry = TelemetryClient(None, None, None, 0, tmp_path, flush_interval_s=0.05, heartbeat_interval_s=None)
-    recorder = comm_recorder(TelemetryConfig(comm=True, comm_window_steps=2), mesh, telemetry)
+    recorder = comm_recorder(TelemetryConfig(comm=True, comm_window_steps=window_steps), mesh, telemetry)
     assert isinstance(recorder, CommRecorder)
+    return recorder, telemetry
+
+
+def comm_events(telemetry: TelemetryClient, spool_dir) -> list[dict]:
+    telemetry.close(timeout_s=5)
+    return [event for batch in read_spool(spool_dir) for event in batch["events"] if event["kind"] == "comm"]
+
+
+def test_a_recorder_emits_a_row_per_window_and_the_rest_at_the_end(one_rank_world, tmp_path):
+    recorder, telemetry = one_rank_recorder(tmp_path, window_steps=2)
     for step in (1, 2, 3):
         with recorder.recording():
-            assert isinstance(_get_current_dispatch_mode(), CollectiveCapture)
+            assert hook_installed()
             dist.all_reduce(floats(4))
         recorder.step_finished(step)
     recorder.flush()
-    telemetry.close(timeout_s=5)
-    events = [event for batch in read_spool(tmp_path) for event in batch["events"] if event["kind"] == "comm"]
+    events = comm_events(telemetry, tmp_path)
     assert [(event["step"], event["payload"]["window"]) for event in events] == [(2, [1, 2]), (3, [3, 3])]
     assert [event["payload"]["ops"] for event in events] == [{"all_reduce": 2}, {"all_reduce": 1}]
     assert all(event["payload"]["sends"] == [] for event in events)
 
 
-def test_switched_off_no_mode_is_entered(one_rank_world):
+def test_a_flushed_recorder_leaves_no_kernel_and_the_next_one_records_again(one_rank_world, tmp_path):
+    first, first_telemetry = one_rank_recorder(tmp_path / "first", window_steps=10)
+    with first.recording():
+        dist.all_reduce(floats(4))
+    first.step_finished(1)
+    first.flush()
+    assert not hook_installed()
+    dist.all_reduce(floats(4))
+    first.step_finished(2)
+    first.flush()
+    assert [event["payload"]["ops"] for event in comm_events(first_telemetry, tmp_path / "first")] == [
+        {"all_reduce": 1},
+        {},
+    ]
+
+    second, second_telemetry = one_rank_recorder(tmp_path / "second", window_steps=10)
+    with second.recording():
+        dist.all_reduce(floats(4))
+    second.step_finished(1)
+    second.flush()
+    assert not hook_installed()
+    assert [event["payload"]["ops"] for event in comm_events(second_telemetry, tmp_path / "second")] == [
+        {"all_reduce": 1}
+    ]
+
+
+def test_switched_off_no_kernel_is_registered(one_rank_world):
     mesh = ParallelMesh(ParallelConfig(), world_size=1, device_type="cpu")
     recorder = comm_recorder(TelemetryConfig(comm=False), mesh, telemetry=None)
     assert isinstance(recorder, NoCommRecorder)
     with recorder.recording():
-        assert _get_current_dispatch_mode() is None
+        assert not hook_installed()
 
 
 # ---------------------------------------------------------------- real runs
@@ -272,7 +352,7 @@ HYBRID_RUN = {
     "parallel": {"pp": 2, "dp_shard": 2, "tp": 2, "microbatches": 2},
     "compute": {"precision": "fp32"},
     "data": {"micro_batch": 4, "corpus_bytes": 200_000},
-    "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60, "comm": True, "comm_window_steps": 3},
+    "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60, "comm_window_steps": 3},
 }
 WORLD = 8
 
@@ -354,10 +434,10 @@ DDP_RUN = {
     "parallel": {"dp_replicate": 2},
     "compute": {"precision": "fp32"},
     "data": {"micro_batch": 4, "corpus_bytes": 200_000},
-    "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60, "comm": True, "comm_window_steps": 2},
+    "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60, "comm_window_steps": 2},
 }
-# The step's closing all-reduce: loss sum, loss count and stop vote in float64.
-STEP_ALL_REDUCE_BYTES = 3 * 8
+# The step's closing all-reduce: loss sum, loss count, stop vote and checkpoint-clock vote in float64.
+STEP_ALL_REDUCE_BYTES = 4 * 8
 
 
 @pytest.fixture(scope="module")
