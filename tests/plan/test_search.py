@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, divisors, parse_config
+from trainer.config import PIPELINE_SCHEDULES, ConfigError, divisors, parse_config
 from trainer.plan.estimate import estimate, estimate_layout
 from trainer.plan.layout import Layout
 from trainer.plan.presets import MODEL_PRESETS
@@ -159,15 +159,7 @@ def test_every_layout_the_rules_accept_is_searched():
             [("1F1B", 1, 1)]
             if pp == 1
             else itertools.product(
-                (
-                    "GPipe",
-                    "1F1B",
-                    "Interleaved1F1B",
-                    "LoopedBFS",
-                    "InterleavedZeroBubble",
-                    "ZBVZeroBubble",
-                    "DualPipeV",
-                ),
+                PIPELINE_SCHEDULES,
                 range(1, layers + 1),
                 divisors(micro_batch),
             )

@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainer.plan.hardware import LINK_EFFICIENCY, ClusterSpec
-from trainer.plan.layout import Layout
+from trainer.plan.layout import PLACEMENT, Layout
 
-PLACEMENT = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 # Traffic between dependent matmuls inside a layer: compute never hides it.
 IN_LAYER_KINDS = ("tp", "cp", "ep")
 
@@ -183,91 +182,31 @@ def time_traffic(traffic: list[Traffic], cluster: ClusterSpec) -> None:
 
 def data_parallel_traffic(layout: Layout, group: dict[str, Group], gpn: int, elements: int, c: int) -> list[Traffic]:
     parallel, m = layout.parallel, layout.microbatches
-    traffic = []
-    shard, replicate = group["dp_shard"], group["dp_replicate"]
     zero = parallel.zero
+    traffic: list[Traffic] = []
+
+    def add(op: str, dim: str, buffer: float, calls: float, note: str) -> None:
+        members = group[dim]
+        traffic.append(Traffic("dp", op, dim, members.size, buffer, calls, members.crosses_nodes(gpn), note=note))
+
     if zero == 0:
-        everyone = group["dp"]
-        if everyone.size > 1:
-            traffic.append(
-                Traffic(
-                    "dp",
-                    "all_reduce",
-                    "dp",
-                    everyone.size,
-                    4 * elements,
-                    1,
-                    everyone.crosses_nodes(gpn),
-                    note="DDP: fp32 gradients",
-                )
-            )
+        if group["dp"].size > 1:
+            add("all_reduce", "dp", 4 * elements, 1, "DDP: fp32 gradients")
         return traffic
     if zero == 3:
-        gathers = (m if parallel.reshard_after_forward else 1) + (1 if parallel.reshard_after_forward else 0)
-        traffic.append(
-            Traffic(
-                "dp",
-                "all_gather",
-                "dp_shard",
-                shard.size,
-                c * elements,
-                gathers,
-                shard.crosses_nodes(gpn),
-                note="FSDP: parameters before forward" + (" and backward" if gathers > 1 else ""),
-            )
-        )
-        traffic.append(
-            Traffic(
-                "dp",
-                "reduce_scatter",
-                "dp_shard",
-                shard.size,
-                4 * elements,
-                1,
-                shard.crosses_nodes(gpn),
-                note="FSDP: fp32 gradients",
-            )
-        )
+        # Resharding after forward gathers again for every microbatch's forward and once for backward.
+        gathers = m + 1 if parallel.reshard_after_forward else 1
+        before = "before forward" + (" and backward" if gathers > 1 else "")
+        add("all_gather", "dp_shard", c * elements, gathers, f"FSDP: parameters {before}")
+        add("reduce_scatter", "dp_shard", 4 * elements, 1, "FSDP: fp32 gradients")
         grad_bytes = 4
     else:
-        traffic.append(
-            Traffic(
-                "dp",
-                "reduce_scatter",
-                "dp_shard",
-                shard.size,
-                c * elements,
-                1,
-                shard.crosses_nodes(gpn),
-                note=f"ZeRO-{zero}: gradients to their optimizer shard",
-            )
-        )
-        traffic.append(
-            Traffic(
-                "dp",
-                "all_gather",
-                "dp_shard",
-                shard.size,
-                c * elements,
-                1,
-                shard.crosses_nodes(gpn),
-                note=f"ZeRO-{zero}: updated parameters",
-            )
-        )
+        add("reduce_scatter", "dp_shard", c * elements, 1, f"ZeRO-{zero}: gradients to their optimizer shard")
+        add("all_gather", "dp_shard", c * elements, 1, f"ZeRO-{zero}: updated parameters")
         grad_bytes = c
-    if replicate.size > 1:
-        traffic.append(
-            Traffic(
-                "dp",
-                "all_reduce",
-                "dp_replicate",
-                replicate.size,
-                grad_bytes * elements / shard.size,
-                1,
-                replicate.crosses_nodes(gpn),
-                note="HSDP: each shard's gradients across replicas",
-            )
-        )
+    if group["dp_replicate"].size > 1:
+        shard_bytes = grad_bytes * elements / group["dp_shard"].size
+        add("all_reduce", "dp_replicate", shard_bytes, 1, "HSDP: each shard's gradients across replicas")
     return traffic
 
 

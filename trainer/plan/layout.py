@@ -11,6 +11,8 @@ from trainer.config import RunConfig
 # Engine saves its fp8 casts for backward) and everything else in bf16.
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 MATMUL_INPUT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+# How the trainer's mesh places ranks, innermost first (trainer/parallel/mesh.py).
+PLACEMENT = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.plan.activations import Shape, kept, layer_bytes, loom_layer
-from trainer.plan.layout import Layout
+from trainer.plan.layout import PLACEMENT, Layout
 from trainer.plan.parameters import ParameterTensor, held_layers, local_elements, rank_holding, stages_of_rank
 from trainer.plan.terms import Term, count, total
 
@@ -295,7 +295,7 @@ def memory_per_rank(layout: Layout) -> list[RankMemory]:
 def rank_coordinates(parallel, rank: int) -> dict[str, int]:
     """A global rank's place in the mesh: tp innermost, then cp, dp_shard, dp_replicate, pp."""
     coordinates = {}
-    for dim in ("tp", "cp", "dp_shard", "dp_replicate", "pp"):
+    for dim in PLACEMENT:
         size = getattr(parallel, dim)
         coordinates[dim] = rank % size
         rank //= size

@@ -10,13 +10,12 @@ import itertools
 from trainer.config import ParallelConfig, RunConfig
 from trainer.plan.communication import step_traffic
 from trainer.plan.hardware import ClusterSpec
-from trainer.plan.layout import Layout
+from trainer.plan.layout import PLACEMENT, Layout
 from trainer.plan.memory import rank_coordinates, state_elements
 from trainer.plan.parameters import rank_holding, stages_of_rank
 from trainer.traffic import CommOp, TrafficMatrix, TrafficRow, traffic_matrix
 
 MAX_RANKS = 1024
-PLACEMENT = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 # The mesh dims each group of trainer.plan.communication.groups() spans.
 GROUP_DIMS = {
     "tp": ("tp",),
