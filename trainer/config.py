@@ -266,6 +266,21 @@ class FaultsConfig(_Section):
     crash_rank: int = Field(0, ge=0, description="The rank that crashes; must be below the world size.")
 
 
+class RestartConfig(_Section):
+    """What the platform does when an attempt fails (the trainer itself ignores this section)."""
+
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description=(
+            "Automatic restarts from the latest good checkpoint after a retryable failure (a rank killed, "
+            "a lost peer, the supervising worker gone); out of memory, an invalid config or a Python "
+            "exception stop the run. 0 = never restart."
+        ),
+    )
+
+
 class RunConfig(_Section):
     """Everything a run needs; the same document is validated by the API and by the trainer."""
 
@@ -278,6 +293,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    restart: RestartConfig = Field(default_factory=RestartConfig)
 
     @property
     def tokens_per_step(self) -> int:

@@ -26,6 +26,7 @@ INSTALLED_APPS = [
     "loom.runs",
     "loom.telemetry",
     "loom.planner",
+    "loom.checkpoints",
 ]
 
 MIDDLEWARE = [

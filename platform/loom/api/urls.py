@@ -1,6 +1,7 @@
 from django.contrib.auth.decorators import login_required
 from ninja import NinjaAPI
 
+from loom.checkpoints.api import router as checkpoints_router
 from loom.planner.api import router as planner_router
 from loom.runs.api import router as runs_router
 from loom.telemetry.api import router as telemetry_router
@@ -10,4 +11,5 @@ from .auth import user_auth
 api = NinjaAPI(title="loom", version="1", auth=user_auth, urls_namespace="api", docs_decorator=login_required)
 api.add_router("/", runs_router)
 api.add_router("/", telemetry_router)
+api.add_router("/", checkpoints_router)
 api.add_router("/plan/", planner_router)

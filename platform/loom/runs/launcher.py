@@ -22,7 +22,7 @@ from trainer.config import world_size_of
 from trainer.telemetry import TelemetryClient, deliver_spool
 
 from . import states
-from .logs import first_failure, tail_lines
+from .failures import LAUNCH_ERROR, Failure, classify
 from .models import Attempt
 from .services import mirror_on_run, move_attempt
 
@@ -30,8 +30,6 @@ log = logging.getLogger(__name__)
 
 LAUNCHER_RANK = -1
 DELIVERY_DEADLINE_S = 120.0
-FAILURE_TAIL_LINES = 30
-WORKER_SHUTDOWN_REASON = "the worker supervising this attempt shut down"
 
 # Set when this worker process is shutting down: supervised attempts are stopped, not orphaned.
 _shutting_down = threading.Event()
@@ -81,17 +79,24 @@ def launch(attempt_id: int) -> str:
     try:
         process = _spawn(attempt, token, work_dir)
     except OSError as error:
-        return _finish(reporter, attempt, work_dir, token, states.FAILED, None, f"could not start torchrun: {error}")
+        failure = Failure(LAUNCH_ERROR, f"could not start torchrun: {error}")
+        return _finish(reporter, attempt, work_dir, token, states.FAILED, None, failure)
     reporter.emit("state", {"attempt": attempt.number, "state": states.RUNNING, "pid": process.pid})
     exit_code, stopped_by = _supervise(process, attempt.pk)
-    outcome, reason = _outcome(exit_code, stopped_by, work_dir)
-    return _finish(reporter, attempt, work_dir, token, outcome, exit_code, reason)
+    outcome, failure = _outcome(exit_code, stopped_by, work_dir)
+    return _finish(reporter, attempt, work_dir, token, outcome, exit_code, failure)
+
+
+def checkpoint_dir_for(work_dir: Path) -> Path:
+    """Each attempt writes its own checkpoints, so a restore from an earlier step never overwrites or
+    retires another attempt's; the config's checkpoint.directory, when set, still wins."""
+    return work_dir / "checkpoints"
 
 
 def _spawn(attempt: Attempt, token: str, work_dir: Path) -> subprocess.Popen:
     config_path = work_dir / "config.json"
-    config_path.write_text(json.dumps(attempt.run.config, indent=2))
-    world_size = world_size_of(attempt.run.config)
+    config_path.write_text(json.dumps(attempt.config, indent=2))
+    world_size = world_size_of(attempt.config)
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", f"--nproc_per_node={world_size}",
@@ -104,6 +109,8 @@ def _spawn(attempt: Attempt, token: str, work_dir: Path) -> subprocess.Popen:
         "LOOM_TOKEN": token,
         "LOOM_ATTEMPT": str(attempt.pk),
         "LOOM_SPOOL_DIR": str(work_dir / "spool"),
+        "LOOM_RUN_ID": str(attempt.run_id),
+        "LOOM_CHECKPOINT_DIR": str(checkpoint_dir_for(work_dir)),
         "PYTHONUNBUFFERED": "1",
     }
     with open(work_dir / "logs" / "launcher.log", "ab") as launcher_log:
@@ -158,30 +165,24 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _outcome(exit_code: int, stopped_by: str | None, work_dir: Path) -> tuple[str, str]:
+def _outcome(exit_code: int, stopped_by: str | None, work_dir: Path) -> tuple[str, Failure | None]:
     if stopped_by == "user":
-        return states.CANCELLED, "cancelled by user"
-    if stopped_by == "worker":
-        return states.FAILED, WORKER_SHUTDOWN_REASON
-    if exit_code == 0:
-        return states.SUCCEEDED, ""
-    return states.FAILED, f"torchrun exited with code {exit_code}\n" + _failure_tail(work_dir)
+        return states.CANCELLED, Failure("cancelled", "cancelled by user")
+    if exit_code == 0 and stopped_by is None:
+        return states.SUCCEEDED, None
+    return states.FAILED, classify(work_dir, worker_lost=stopped_by == "worker")
 
 
-def _failure_tail(work_dir: Path) -> str:
-    """Which rank failed first and why, else the end of the launcher's own log."""
-    failure = first_failure(work_dir)
-    if failure is not None:
-        stack = "\n".join(failure.traceback.splitlines()[-FAILURE_TAIL_LINES:])
-        return f"rank {failure.rank} failed first: {failure.message}\n{stack}"
-    launcher_log = work_dir / "logs" / "launcher.log"
-    return "\n".join(tail_lines(launcher_log, FAILURE_TAIL_LINES)) if launcher_log.exists() else ""
-
-
-def _finish(reporter, attempt, work_dir, token, outcome: str, exit_code: int | None, reason: str) -> str:
-    """Deliver what ranks left spooled, then the final state; record the end directly if unreachable."""
+def _finish(reporter, attempt, work_dir, token, outcome: str, exit_code: int | None, failure: Failure | None) -> str:
+    """Deliver what ranks left spooled (checkpoint commits included, which a restart needs), then the
+    final state; record the end directly if the platform is unreachable."""
     ranks_left = deliver_spool(work_dir / "spool", settings.LOOM_URL, token, DELIVERY_DEADLINE_S)
+    reason = ""
+    if failure is not None:
+        reason = failure.reason if exit_code is None else f"torchrun exited with code {exit_code}\n{failure.reason}"
     final = {"attempt": attempt.number, "state": outcome, "exit_code": exit_code, "reason": reason}
+    if outcome == states.FAILED:
+        final |= {"failure_kind": failure.kind, "retryable": failure.retryable}
     reporter.emit("state", final)
     launcher_left = reporter.close(DELIVERY_DEADLINE_S)
     if ranks_left or launcher_left:
@@ -192,5 +193,12 @@ def _finish(reporter, attempt, work_dir, token, outcome: str, exit_code: int | N
         # The run must not look alive forever; the spooled events still carry the same final state.
         attempt.refresh_from_db()
         if attempt.state != outcome:
-            move_attempt(attempt, outcome, exit_code=exit_code, reason=reason)
+            move_attempt(
+                attempt,
+                outcome,
+                exit_code=exit_code,
+                reason=reason,
+                failure_kind=final.get("failure_kind", ""),
+                retryable=final.get("retryable"),
+            )
     return outcome

@@ -13,6 +13,10 @@ class Run(models.Model):
     # What the planner predicted for this config on the cluster it was created for; null when it
     # was created without one.
     estimate = models.JSONField(null=True, blank=True)
+    # The checkpoint this run was forked from (restored into a new run); null for a fresh run.
+    forked_from = models.ForeignKey(
+        "checkpoints.Checkpoint", on_delete=models.SET_NULL, null=True, blank=True, related_name="forks"
+    )
     state = models.CharField(max_length=20, choices=states.CHOICES, default=states.QUEUED)
     # The highest event seq handed out; events take seq numbers under a row lock on the run.
     last_seq = models.BigIntegerField(default=0)
@@ -30,8 +34,22 @@ class Run(models.Model):
 class Attempt(models.Model):
     """One launch of a run as a torchrun process group."""
 
+    CREATED = "created"
+    RESTART = "restart"
+    RESTORE = "restore"
+    TRIGGERS = [CREATED, RESTART, RESTORE]
+
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="attempts")
     number = models.PositiveIntegerField()
+    # The config this attempt runs: the run's, or, for a restore, with another layout and a resume path.
+    config = models.JSONField()
+    # Why it exists: the run was created, an automatic restart, or a restore someone asked for.
+    trigger = models.CharField(max_length=16, choices=[(t, t) for t in TRIGGERS], default=CREATED)
+    trigger_note = models.TextField(blank=True)
+    # The checkpoint it resumed from (as its trainer reported loading it); null when it started fresh.
+    restored_from = models.ForeignKey(
+        "checkpoints.Checkpoint", on_delete=models.SET_NULL, null=True, blank=True, related_name="restored_into"
+    )
     state = models.CharField(max_length=20, choices=states.CHOICES, default=states.QUEUED)
     # SHA-256 of the per-attempt token the launcher minted when it claimed the attempt;
     # empty until then, which is also what makes claiming idempotent.
@@ -39,6 +57,12 @@ class Attempt(models.Model):
     cancel_requested = models.BooleanField(default=False)
     exit_code = models.IntegerField(null=True, blank=True)
     failure_reason = models.TextField(blank=True)
+    # How the launcher classified a failure (killed, lost_peer, worker_lost, out_of_memory,
+    # invalid_config, exception, unknown) and whether the restart policy may retry it.
+    failure_kind = models.CharField(max_length=32, blank=True)
+    retryable = models.BooleanField(null=True, blank=True)
+    # What the restart policy did after this attempt failed, in words ("restarted as attempt 3 …").
+    restart_decision = models.TextField(blank=True)
     work_dir = models.CharField(max_length=500, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)

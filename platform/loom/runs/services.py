@@ -61,7 +61,7 @@ def create_run(owner, name, document, cluster=None) -> Run:
     clean_name, config, estimate = validate_run_input(name, document, cluster)
     with transaction.atomic():
         run = Run.objects.create(owner=owner, name=clean_name, config=config, estimate=estimate)
-        attempt = Attempt.objects.create(run=run, number=1)
+        attempt = Attempt.objects.create(run=run, number=1, config=config)
         record_platform_event(run, attempt, "state", {"state": states.QUEUED, "attempt": attempt.number})
         # robust: an unreachable broker must not turn a stored run into an error response.
         transaction.on_commit(lambda: launch_attempt.delay(attempt.pk), robust=True)
@@ -103,8 +103,13 @@ def cancel_run(run: Run) -> Run:
     return run
 
 
-def move_attempt(attempt: Attempt, target: str, *, exit_code=None, reason: str = "") -> None:
-    """Apply a state transition to an attempt and mirror it on its run if it is the latest."""
+def move_attempt(
+    attempt: Attempt, target: str, *, exit_code=None, reason: str = "", failure_kind: str = "", retryable=None
+) -> None:
+    """Apply a state transition to an attempt and mirror it on its run if it is the latest; a failure
+    the launcher judged retryable starts the next attempt (loom.checkpoints.recovery)."""
+    from loom.checkpoints.recovery import restart_after_failure
+
     states.check_transition(attempt.state, target)
     attempt.state = target
     fields = ["state"]
@@ -119,8 +124,14 @@ def move_attempt(attempt: Attempt, target: str, *, exit_code=None, reason: str =
     if reason and target != states.SUCCEEDED:
         attempt.failure_reason = reason[:4000]
         fields.append("failure_reason")
+    if target == states.FAILED:
+        attempt.failure_kind = failure_kind
+        attempt.retryable = retryable
+        fields += ["failure_kind", "retryable"]
     attempt.save(update_fields=fields)
     mirror_on_run(attempt)
+    if target == states.FAILED:
+        restart_after_failure(attempt)
 
 
 def mirror_on_run(attempt: Attempt) -> None:

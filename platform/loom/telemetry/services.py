@@ -9,6 +9,7 @@ from channels.layers import get_channel_layer
 from django.db import IntegrityError, transaction
 
 from loom.accounts.tokens import hash_token
+from loom.checkpoints.services import record_checkpoint_event
 from loom.runs import services as run_services
 from loom.runs.models import Attempt, Run
 
@@ -53,10 +54,11 @@ def ingest_batch(attempt: Attempt, rank: int, seq: int, events: list[dict]) -> I
         except IntegrityError:
             return IngestResult(stored=0, duplicate=True)
         stored = _append(run, attempt, rank, events)
-        if rank == LAUNCHER_RANK:
-            for event in stored:
-                if event.kind == "state":
-                    _apply_launcher_state(attempt, event.payload)
+        for event in stored:
+            if event.kind == "checkpoint":
+                record_checkpoint_event(attempt, event)
+            elif event.kind == "state" and rank == LAUNCHER_RANK:
+                _apply_launcher_state(attempt, event.payload)
     return IngestResult(stored=len(stored), duplicate=False)
 
 
@@ -97,7 +99,14 @@ def _apply_launcher_state(attempt: Attempt, payload: dict) -> None:
     if target == attempt.state:
         return
     try:
-        run_services.move_attempt(attempt, target, exit_code=payload.get("exit_code"), reason=payload.get("reason", ""))
+        run_services.move_attempt(
+            attempt,
+            target,
+            exit_code=payload.get("exit_code"),
+            reason=payload.get("reason", ""),
+            failure_kind=payload.get("failure_kind", ""),
+            retryable=payload.get("retryable"),
+        )
     except ValueError as error:
         log.warning("launcher reported state %r for %s, kept %s: %s", target, attempt, attempt.state, error)
 

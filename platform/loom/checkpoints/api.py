@@ -1,0 +1,92 @@
+from datetime import datetime
+from typing import Any
+
+from ninja import Router, Schema, Status
+
+from loom.runs import services as run_services
+
+from . import services
+from .resilience import resilience
+
+router = Router(tags=["checkpoints"])
+
+
+class CheckpointOut(Schema):
+    id: int
+    run: int
+    attempt: int
+    step: int
+    state: str
+    path: str
+    bytes: int
+    layout: dict
+    world_size: int
+    parent: int | None
+    loss: float | None
+    stall_s: float | None
+    save_s: float | None
+    problem: str
+    committed_at: datetime
+
+    @staticmethod
+    def resolve_run(checkpoint):
+        return checkpoint.run_id
+
+    @staticmethod
+    def resolve_attempt(checkpoint):
+        return checkpoint.attempt.number
+
+    @staticmethod
+    def resolve_parent(checkpoint):
+        return checkpoint.parent_id
+
+
+class RestoreIn(Schema):
+    checkpoint: Any = None
+    # "attempt": the run's next attempt; "fork": the first attempt of a new run.
+    mode: Any = "attempt"
+    # Fields of the config's parallel section to change (tp, pp, dp_shard, …); the rest stay as saved.
+    parallel: Any = None
+    steps: Any = None
+    name: Any = None
+
+
+class RestoredOut(Schema):
+    run: int
+    attempt: int
+    forked: bool
+
+
+class FieldErrors(Schema):
+    errors: dict[str, str]
+
+
+@router.get("/runs/{run_id}/checkpoints", response=list[CheckpointOut])
+def run_checkpoints(request, run_id: int):
+    """Every checkpoint the run's attempts committed, oldest step first, with its state."""
+    return list(services.checkpoints_of(run_services.run_for(request.user, run_id)))
+
+
+@router.get("/runs/{run_id}/lineage")
+def run_lineage(request, run_id: int):
+    """The run's family (the run it was forked from, runs forked from it) as attempts and checkpoints."""
+    return services.lineage(run_services.run_for(request.user, run_id))
+
+
+@router.get("/runs/{run_id}/resilience")
+def run_resilience(request, run_id: int):
+    """RPO and RTO per failure, ETTR, checkpoint stall and the Young/Daly save interval."""
+    return resilience(run_services.run_for(request.user, run_id))
+
+
+@router.post("/runs/{run_id}/restore", response={201: RestoredOut, 400: FieldErrors})
+def restore(request, run_id: int, body: RestoreIn):
+    """Restore a committed checkpoint, as the run's next attempt or as a new run forked from it,
+    optionally in another layout (validated like any config)."""
+    run = run_services.run_for(request.user, run_id)
+    steps = body.steps if body.steps not in (None, "") else None
+    try:
+        attempt = services.restore(request.user, run, body.checkpoint, body.mode, body.parallel, steps, body.name)
+    except run_services.RunInputError as error:
+        return Status(400, {"errors": error.errors})
+    return Status(201, {"run": attempt.run_id, "attempt": attempt.number, "forked": attempt.run_id != run.pk})

@@ -1,0 +1,217 @@
+"""Checkpoints as the platform knows them: filled from the trainer's `checkpoint` events, drawn as a
+lineage across runs and attempts, and restored into a new attempt or a forked run."""
+
+from django.db import transaction
+
+from loom.runs import services as run_services
+from loom.runs import states
+from loom.runs.models import Attempt, Run
+from trainer.config import ConfigError, parse_config
+
+from .models import COMMITTED, CORRUPT, DELETED, Checkpoint
+
+RESTORE_MODES = ("attempt", "fork")
+
+
+def record_checkpoint_event(attempt: Attempt, event) -> None:
+    """Apply one stored `checkpoint` event (committed, loaded, corrupt, deleted; failed saves stay
+    events only). Called inside the ingest transaction, so the row and the event land together."""
+    payload = event.payload
+    path = payload.get("path")
+    if not isinstance(path, str) or not path:
+        return
+    state = payload.get("state")
+    if state == COMMITTED:
+        _record_commit(attempt, event, path)
+    elif state in (CORRUPT, DELETED):
+        problem = payload.get("error") or f"deleted by {attempt} (retention)"
+        Checkpoint.objects.filter(path=path).exclude(state=DELETED).update(state=state, problem=str(problem)[:4000])
+    elif state == "loaded":
+        source = Checkpoint.objects.filter(path=path).order_by("-id").first()
+        Attempt.objects.filter(pk=attempt.pk).update(restored_from=source)
+
+
+def _record_commit(attempt: Attempt, event, path: str) -> None:
+    payload = event.payload
+    # A later save of the same step into the same directory replaced the older one on disk.
+    replaced = f"replaced by a save of attempt {attempt.number} under the same name"
+    Checkpoint.objects.filter(path=path, state=COMMITTED).update(state=DELETED, problem=replaced)
+    parent_path = payload.get("parent")
+    parent = Checkpoint.objects.filter(path=parent_path).order_by("-id").first() if parent_path else None
+    Checkpoint.objects.create(
+        run_id=attempt.run_id,
+        attempt=attempt,
+        step=int(payload.get("step") or event.step or 0),
+        path=path,
+        bytes=int(payload.get("bytes") or 0),
+        layout=payload.get("layout") or {},
+        world_size=int(payload.get("world_size") or 1),
+        parent=parent,
+        loss=payload.get("loss"),
+        stall_s=payload.get("stall_s"),
+        save_s=payload.get("save_s"),
+        committed_at=event.time,
+    )
+
+
+def checkpoints_of(run: Run):
+    return Checkpoint.objects.filter(run=run).select_related("attempt", "parent").order_by("step", "id")
+
+
+def latest_committed(attempt: Attempt) -> Checkpoint | None:
+    return Checkpoint.objects.filter(attempt=attempt, state=COMMITTED).order_by("-step", "-id").first()
+
+
+# Lineage.
+
+
+def family_of(run: Run) -> list[Run]:
+    """The run, the run it was forked from and so on up, and every run forked from any of them."""
+    root = run
+    while root.forked_from_id is not None:
+        root = Run.objects.select_related("forked_from__run").get(pk=root.pk).forked_from.run
+    family, frontier = [root], [root]
+    while frontier:
+        children = list(Run.objects.filter(forked_from__run__in=frontier, owner_id=run.owner_id).order_by("id"))
+        family += children
+        frontier = children
+    return family
+
+
+def lineage(run: Run) -> dict:
+    """The DAG of a run's family: runs, their attempts (each with the checkpoint it started from) and
+    their checkpoints (each with its parent), ids throughout so a page can draw the edges."""
+    family = family_of(run)
+    attempts = Attempt.objects.filter(run__in=family).order_by("run_id", "number")
+    checkpoints = Checkpoint.objects.filter(run__in=family).order_by("run_id", "step", "id")
+    return {
+        "run": run.pk,
+        "runs": [{"id": r.pk, "name": r.name, "state": r.state, "forked_from": r.forked_from_id} for r in family],
+        "attempts": [attempt_node(attempt) for attempt in attempts],
+        "checkpoints": [checkpoint_node(checkpoint) for checkpoint in checkpoints],
+    }
+
+
+def attempt_node(attempt: Attempt) -> dict:
+    return {
+        "id": attempt.pk,
+        "run": attempt.run_id,
+        "number": attempt.number,
+        "state": attempt.state,
+        "trigger": attempt.trigger,
+        "trigger_note": attempt.trigger_note,
+        "restored_from": attempt.restored_from_id,
+        "failure_kind": attempt.failure_kind,
+        "failure": attempt.failure_reason.splitlines()[:2],
+        "restart_decision": attempt.restart_decision,
+        "world_size": parse_config(attempt.config, runnable=False).parallel.world_size,
+    }
+
+
+def checkpoint_node(checkpoint: Checkpoint) -> dict:
+    return {
+        "id": checkpoint.pk,
+        "run": checkpoint.run_id,
+        "attempt": checkpoint.attempt_id,
+        "step": checkpoint.step,
+        "state": checkpoint.state,
+        "parent": checkpoint.parent_id,
+        "path": checkpoint.path,
+        "bytes": checkpoint.bytes,
+        "layout": checkpoint.layout,
+        "world_size": checkpoint.world_size,
+        "loss": checkpoint.loss,
+        "stall_s": checkpoint.stall_s,
+        "save_s": checkpoint.save_s,
+        "problem": checkpoint.problem,
+        "committed_at": checkpoint.committed_at.isoformat(),
+    }
+
+
+# Restoring.
+
+
+def resumed_config(config: dict, resume: str | None, parallel: dict | None = None, steps=None) -> dict:
+    """The config of an attempt that resumes from `resume` (a checkpoint, or a directory of them),
+    in another layout when `parallel` is given. Injected faults rehearse one failure: the attempt
+    that recovers from it runs without them."""
+    document = {**config, "checkpoint": {**config.get("checkpoint", {}), "resume": resume}, "faults": {}}
+    if parallel is not None:
+        document["parallel"] = {**config.get("parallel", {}), **parallel}
+    if steps is not None:
+        document["steps"] = steps
+    return document
+
+
+def restore(
+    user,
+    run: Run,
+    checkpoint_id,
+    mode: str = "attempt",
+    parallel: dict | None = None,
+    steps=None,
+    name: str | None = None,
+) -> Attempt:
+    """Start from a committed checkpoint of the run, as its next attempt or as the first attempt of a
+    new run forked from it, optionally in another layout; errors are keyed by field and change nothing."""
+    errors: dict[str, str] = {}
+    checkpoint = None
+    if not isinstance(checkpoint_id, int) or isinstance(checkpoint_id, bool):
+        errors["checkpoint"] = "is required: the id of one of this run's committed checkpoints"
+    else:
+        checkpoint = Checkpoint.objects.select_related("attempt").filter(run=run, pk=checkpoint_id).first()
+        if checkpoint is None:
+            errors["checkpoint"] = f"run {run.pk} has no checkpoint {checkpoint_id}"
+        elif checkpoint.state != COMMITTED:
+            errors["checkpoint"] = f"is {checkpoint.state} ({checkpoint.problem}); choose a committed one"
+    if mode not in RESTORE_MODES:
+        errors["mode"] = f"must be one of {', '.join(RESTORE_MODES)}"
+    elif mode == "attempt":
+        latest = run_services.latest_attempt(run)
+        if latest.state in states.ACTIVE:
+            errors["mode"] = (
+                f"run {run.pk} is still {latest.state} (attempt {latest.number}); cancel it first, or fork a new run"
+            )
+    if parallel is not None and not isinstance(parallel, dict):
+        errors["config.parallel"] = "must be an object of parallel fields (tp, pp, dp_shard, …)"
+    if mode == "fork" and name is not None and (not isinstance(name, str) or not name.strip()):
+        errors["name"] = "must not be blank"
+    if errors:
+        raise run_services.RunInputError(errors)
+    document = resumed_config(checkpoint.attempt.config, checkpoint.path, parallel, steps)
+    try:
+        config = parse_config(document).model_dump(mode="json")
+    except ConfigError as error:
+        errors = {f"config.{field}": message for field, message in error.errors.items()}
+        raise run_services.RunInputError(errors) from None
+    if mode == "fork":
+        return _fork(user, run, checkpoint, config, (name or f"{run.name} from step {checkpoint.step}").strip())
+    note = f"restored from step {checkpoint.step} (attempt {checkpoint.attempt.number}) by {user}"
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        return start_attempt(locked, config, Attempt.RESTORE, note, checkpoint)
+
+
+def _fork(user, run: Run, checkpoint: Checkpoint, config: dict, name: str) -> Attempt:
+    with transaction.atomic():
+        fork = Run.objects.create(owner=user, name=name[:200], config=config, forked_from=checkpoint)
+        note = f"forked from run {run.pk} at step {checkpoint.step} (attempt {checkpoint.attempt.number})"
+        return start_attempt(fork, config, Attempt.RESTORE, note, checkpoint)
+
+
+def start_attempt(run: Run, config: dict, trigger: str, note: str, source: Checkpoint | None) -> Attempt:
+    """Add the run's next attempt, queued, and launch it once committed. Call inside a transaction."""
+    from loom.runs.tasks import launch_attempt
+    from loom.telemetry.services import record_platform_event
+
+    number = (run.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
+    attempt = Attempt.objects.create(
+        run=run, number=number, config=config, trigger=trigger, trigger_note=note, restored_from=source
+    )
+    run_services.mirror_on_run(attempt)
+    payload = {"state": states.QUEUED, "attempt": number, "trigger": trigger, "note": note}
+    if source is not None:
+        payload |= {"checkpoint": source.pk, "step": source.step}
+    record_platform_event(run, attempt, "state", payload)
+    transaction.on_commit(lambda: launch_attempt.delay(attempt.pk), robust=True)
+    return attempt

@@ -1,0 +1,94 @@
+"""Why an attempt failed, and whether running it again could help.
+
+Restarting pays off when the cause was outside the program (a rank killed, a peer lost, the
+supervising worker gone) and never when the program itself would fail the same way again (out of
+memory, an invalid config, a Python exception in the training code) — the rule Determined's log
+policies encode with patterns over the logs. The evidence is what torchrun leaves behind: its
+failure summary in the launcher's log (every failed rank with its exit code or signal) and each
+rank's error.json.
+"""
+
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from .logs import first_failure, tail_lines
+
+KILLED = "killed"
+LOST_PEER = "lost_peer"
+WORKER_LOST = "worker_lost"
+OUT_OF_MEMORY = "out_of_memory"
+INVALID_CONFIG = "invalid_config"
+EXCEPTION = "exception"
+UNKNOWN = "unknown"
+LAUNCH_ERROR = "launch_error"
+
+RETRYABLE = frozenset({KILLED, LOST_PEER, WORKER_LOST, UNKNOWN})
+
+# The trainer's exit code for a config or launch it refuses before training (trainer.train.USAGE_EXIT_CODE).
+USAGE_EXIT_CODE = 2
+SUMMARY_LINES = 400
+FAILURE_TAIL_LINES = 30
+
+# torchrun's summary: "  rank      : 1 (local_rank: 1)" then "  exitcode  : -9 (pid: 6936)  (SIGKILL)".
+SUMMARY_ENTRY = re.compile(r"^\s*rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
+OUT_OF_MEMORY_PATTERNS = re.compile(r"OutOfMemoryError|out of memory|CUBLAS_STATUS_ALLOC_FAILED", re.IGNORECASE)
+LOST_PEER_PATTERNS = re.compile(
+    r"DistBackendError|Connection closed by peer|Connection reset by peer|NCCL (error|communicator)|"
+    r"Socket Timeout|ProcessGroupNCCL.*(Watchdog|timeout)|Broken pipe",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: str
+    reason: str
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in RETRYABLE
+
+
+def rank_exit_codes(launcher_log: Path) -> dict[int, int]:
+    """Each failed rank's exit code from torchrun's failure summary; a negative code is the signal."""
+    if not launcher_log.exists():
+        return {}
+    text = "\n".join(tail_lines(launcher_log, SUMMARY_LINES))
+    return {int(rank): int(code) for rank, code in SUMMARY_ENTRY.findall(text)}
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def classify(work_dir: Path, worker_lost: bool = False) -> Failure:
+    """The failure of a torchrun that ended badly, from what it left in work_dir."""
+    if worker_lost:
+        return Failure(WORKER_LOST, "the worker supervising this attempt shut down")
+    launcher_log = work_dir / "logs" / "launcher.log"
+    codes = rank_exit_codes(launcher_log)
+    # torchrun stops the surviving ranks with SIGTERM once one fails; those are not the cause.
+    killed = {rank: -code for rank, code in codes.items() if code < 0 and -code != signal.SIGTERM}
+    if killed:
+        rank = min(killed)
+        return Failure(KILLED, f"rank {rank} was killed by {signal_name(killed[rank])}")
+    failure = first_failure(work_dir)
+    if failure is not None:
+        detail = f"rank {failure.rank} failed first: {failure.message}\n" + "\n".join(
+            failure.traceback.splitlines()[-FAILURE_TAIL_LINES:]
+        )
+        text = f"{failure.message}\n{failure.traceback}"
+        if OUT_OF_MEMORY_PATTERNS.search(text):
+            return Failure(OUT_OF_MEMORY, detail)
+        if LOST_PEER_PATTERNS.search(text):
+            return Failure(LOST_PEER, detail)
+        return Failure(EXCEPTION, detail)
+    tail = "\n".join(tail_lines(launcher_log, FAILURE_TAIL_LINES)) if launcher_log.exists() else ""
+    if USAGE_EXIT_CODE in codes.values():
+        return Failure(INVALID_CONFIG, f"the trainer refused its config or launch\n{tail}")
+    return Failure(UNKNOWN, tail)

@@ -1,0 +1,333 @@
+"""Checkpoint rows from ingested events, the restart policy, restores through the API, resilience figures."""
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from loom.checkpoints.models import Checkpoint
+from loom.checkpoints.recovery import restarts_in_a_row
+from loom.checkpoints.resilience import resilience, young_daly_interval_s
+from loom.runs import states
+from loom.runs.models import Attempt, Run
+from loom.telemetry.services import ingest_batch
+
+from .helpers import TINY_CONFIG, claimed_run
+
+pytestmark = pytest.mark.django_db
+
+LAYOUT = {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1}
+
+
+def checkpoint_event(state, step, path, time=100.0, **payload):
+    return {
+        "kind": "checkpoint",
+        "time": time,
+        "step": step,
+        "payload": {"state": state, "step": step, "path": path, **payload},
+    }
+
+
+def committed(step, path, parent=None, time=100.0, stall_s=0.05):
+    return checkpoint_event(
+        "committed", step, path, time, bytes=1000 + step, layout=LAYOUT, world_size=2, parent=parent,
+        stall_s=stall_s, save_s=0.5, loss=5.0 - step / 10,
+    )  # fmt: skip
+
+
+class Ranks:
+    """Numbered batches for an attempt, as its ranks and launcher would send them."""
+
+    def __init__(self, attempt):
+        self.attempt = attempt
+        self.seq = {}
+
+    def send(self, rank, *events):
+        seq = self.seq.get(rank, 0)
+        self.seq[rank] = seq + 1
+        return ingest_batch(self.attempt, rank, seq, list(events))
+
+    def metrics(self, steps, start_time, step_time_s=1.0):
+        for step in steps:
+            self.send(0, metric(step, start_time + step * step_time_s, step_time_s))
+
+    def fail(
+        self, time, kind="killed", retryable=True, reason="torchrun exited with code 1\nrank 1 was killed by SIGKILL"
+    ):
+        self.send(-1, state(states.STARTING, time - 50), state(states.RUNNING, time - 49))
+        final = {"state": states.FAILED, "exit_code": 1, "reason": reason, "failure_kind": kind, "retryable": retryable}
+        self.send(-1, {"kind": "state", "time": time, "payload": final})
+
+
+def metric(step, time, step_time_s=1.0):
+    return {
+        "kind": "metric",
+        "time": time,
+        "step": step,
+        "payload": {"loss_mean": 5.0 - step / 10, "step_time_s": step_time_s},
+    }
+
+
+def state(name, time):
+    return {"kind": "state", "time": time, "payload": {"state": name}}
+
+
+def test_committed_events_become_checkpoints_linked_to_their_parents(platform_user):
+    run, attempt, _ = claimed_run(platform_user[0])
+    ranks = Ranks(attempt)
+    ranks.send(0, committed(5, "/c/a1/step-000005"), committed(10, "/c/a1/step-000010", parent="/c/a1/step-000005"))
+    first, second = Checkpoint.objects.filter(run=run).order_by("step")
+    assert (first.step, first.state, first.bytes, first.world_size, first.layout) == (5, "committed", 1005, 2, LAYOUT)
+    assert (second.parent, second.stall_s, second.loss) == (first, 0.05, 4.0)
+    ranks.send(0, checkpoint_event("deleted", 5, "/c/a1/step-000005"))
+    ranks.send(
+        0, checkpoint_event("corrupt", 10, "/c/a1/step-000010", error="step-000010/__0_0.distcp: sha256 mismatch")
+    )
+    first.refresh_from_db()
+    second.refresh_from_db()
+    assert first.state == "deleted"
+    assert (second.state, second.problem) == ("corrupt", "step-000010/__0_0.distcp: sha256 mismatch")
+    assert run.events.filter(kind="checkpoint").count() == 4  # the events themselves are kept too
+
+
+def test_a_save_under_the_same_name_marks_the_older_one_deleted(platform_user):
+    run, attempt, _ = claimed_run(platform_user[0])
+    ranks = Ranks(attempt)
+    ranks.send(0, committed(5, "/shared/step-000005"), committed(5, "/shared/step-000005", time=200.0))
+    assert list(Checkpoint.objects.filter(run=run).order_by("id").values_list("state", flat=True)) == [
+        "deleted",
+        "committed",
+    ]
+
+
+def test_a_loaded_event_records_where_the_attempt_started(platform_user):
+    run, attempt, _ = claimed_run(platform_user[0])
+    Ranks(attempt).send(0, committed(5, "/c/step-000005"))
+    other_run, other_attempt, _ = claimed_run(platform_user[0], "second")
+    Ranks(other_attempt).send(0, checkpoint_event("loaded", 5, "/c/step-000005", layout=LAYOUT, world_size=2))
+    other_attempt.refresh_from_db()
+    assert other_attempt.restored_from == Checkpoint.objects.get(run=run)
+
+
+def test_a_retryable_failure_restarts_from_the_failed_attempts_checkpoints_without_its_faults(platform_user):
+    config = {**TINY_CONFIG, "checkpoint": {"interval_steps": 5}, "faults": {"kill_at_step": 7, "kill_rank": 1}}
+    run, attempt, _ = claimed_run(platform_user[0], config=config)
+    ranks = Ranks(attempt)
+    ranks.send(0, committed(5, "/runs/run-1/attempt-1/checkpoints/step-000005"))
+    ranks.fail(time=1000.0)
+    attempt.refresh_from_db()
+    run.refresh_from_db()
+    restart = run.attempts.get(number=2)
+    assert (attempt.state, attempt.failure_kind, attempt.retryable) == (states.FAILED, "killed", True)
+    assert attempt.restart_decision.startswith("restarted as attempt 2 from its checkpoints (newest: step 5)")
+    assert (restart.state, restart.trigger, run.state) == (states.QUEUED, Attempt.RESTART, states.QUEUED)
+    assert restart.restored_from == Checkpoint.objects.get(run=run, step=5)
+    assert restart.config["checkpoint"]["resume"] == "/runs/run-1/attempt-1/checkpoints"
+    assert restart.config["faults"]["kill_at_step"] is None  # the rehearsed failure happens once
+    assert "automatic restart 1 of 3" in restart.trigger_note and "rank 1 was killed by SIGKILL" in restart.trigger_note
+    queued = run.events.filter(kind="state", attempt=restart).get()
+    assert queued.payload["trigger"] == "restart" and queued.payload["step"] == 5
+
+
+@pytest.mark.parametrize(
+    "kind, decision",
+    [
+        ("out_of_memory", "not restarted: a failure of kind 'out of memory' would happen again"),
+        ("invalid_config", "not restarted: a failure of kind 'invalid config' would happen again"),
+        ("exception", "not restarted: a failure of kind 'exception' would happen again"),
+    ],
+)
+def test_failures_that_would_repeat_are_not_restarted(platform_user, kind, decision):
+    run, attempt, _ = claimed_run(platform_user[0])
+    Ranks(attempt).fail(time=1000.0, kind=kind, retryable=False, reason="Traceback …")
+    attempt.refresh_from_db()
+    run.refresh_from_db()
+    assert attempt.restart_decision == decision
+    assert run.attempts.count() == 1 and run.state == states.FAILED
+
+
+def test_restarts_stop_after_max_restarts_in_a_row(platform_user):
+    config = {**TINY_CONFIG, "restart": {"max_restarts": 2}}
+    run, attempt, _ = claimed_run(platform_user[0], config=config)
+    for number in (1, 2, 3):
+        current = run.attempts.get(number=number)
+        if number > 1:  # the launcher claims each restart as it would the first attempt
+            Attempt.objects.filter(pk=current.pk).update(token_hash=f"restart-{number}")
+            current.refresh_from_db()
+        Ranks(current).fail(time=1000.0 * number)
+    run.refresh_from_db()
+    assert run.attempts.count() == 3 and run.state == states.FAILED
+    last = run.attempts.get(number=3)
+    assert restarts_in_a_row(last) == 2
+    assert last.restart_decision == "not restarted: 2 of 2 automatic restarts used (restart.max_restarts)"
+
+
+def test_a_restart_without_checkpoints_resumes_where_the_attempt_had_started(platform_user):
+    run, attempt, _ = claimed_run(platform_user[0], config={**TINY_CONFIG, "checkpoint": {"interval_steps": 5}})
+    Ranks(attempt).send(0, committed(5, "/a1/step-000005"))
+    source = Checkpoint.objects.get(run=run)
+    restored = api_restore(run, {"checkpoint": source.pk}, platform_user)
+    assert restored.status_code == 400  # attempt 1 is still active
+    Ranks(attempt).fail(time=500.0, kind="exception", retryable=False)
+    second = run.attempts.get(number=api_restore(run, {"checkpoint": source.pk}, platform_user).json()["attempt"])
+    Attempt.objects.filter(pk=second.pk).update(token_hash="second")
+    second.refresh_from_db()
+    Ranks(second).fail(time=900.0)
+    third = run.attempts.get(number=3)
+    assert third.config["checkpoint"]["resume"] == "/a1/step-000005"
+    assert third.restored_from == source and "where it had started" in third.trigger_note
+
+
+# Restoring through the API.
+
+
+@pytest.fixture
+def finished_with_checkpoints(platform_user):
+    config = {**TINY_CONFIG, "checkpoint": {"interval_steps": 5}}
+    run, attempt, _ = claimed_run(platform_user[0], config=config)
+    ranks = Ranks(attempt)
+    ranks.send(0, committed(5, "/a1/step-000005"), committed(10, "/a1/step-000010", parent="/a1/step-000005"))
+    ranks.send(0, checkpoint_event("corrupt", 10, "/a1/step-000010", error="step-000010/__1_0.distcp: missing"))
+    ranks.send(-1, state(states.STARTING, 1.0), state(states.RUNNING, 2.0), state(states.SUCCEEDED, 3.0))
+    run.refresh_from_db()
+    return run
+
+
+def api_restore(run, body, platform_user):
+    from django.test import Client
+
+    client = Client()
+    client.force_login(platform_user[0])
+    return client.post(f"/api/runs/{run.pk}/restore", data=json.dumps(body), content_type="application/json")
+
+
+@pytest.mark.parametrize(
+    "body, errors",
+    [
+        ({}, {"checkpoint": "is required: the id of one of this run's committed checkpoints"}),
+        ({"checkpoint": 999999}, {"checkpoint": "no such"}),
+        ({"checkpoint": "step10"}, {"checkpoint": "is required"}),
+        ({"checkpoint": "STEP5", "mode": "sideways"}, {"mode": "must be one of attempt, fork"}),
+        (
+            {"checkpoint": "STEP10"},
+            {"checkpoint": "is corrupt (step-000010/__1_0.distcp: missing); choose a committed one"},
+        ),
+        (
+            {"checkpoint": "STEP5", "parallel": {"tp": 3}},
+            {"config.parallel.tp": "heads", "config.model.seq_len": "tp"},
+        ),
+        ({"checkpoint": "STEP5", "parallel": "tp2"}, {"config.parallel": "must be an object"}),
+        ({"checkpoint": "STEP5", "mode": "fork", "name": "  "}, {"name": "must not be blank"}),
+    ],
+)
+def test_bad_restores_get_field_errors_and_change_nothing(finished_with_checkpoints, platform_user, body, errors):
+    run = finished_with_checkpoints
+    ids = {f"STEP{c.step}": c.pk for c in run.checkpoints.all()}
+    body = {key: ids.get(value, value) if isinstance(value, str) else value for key, value in body.items()}
+    if body.get("checkpoint") == 999999:
+        errors = {"checkpoint": f"run {run.pk} has no checkpoint 999999"}
+    counts = (Run.objects.count(), Attempt.objects.count(), run.events.count())
+    response = api_restore(run, body, platform_user)
+    assert response.status_code == 400
+    got = response.json()["errors"]
+    assert set(got) == set(errors)
+    for field, message in errors.items():
+        assert message in got[field], got
+    assert (Run.objects.count(), Attempt.objects.count(), run.events.count()) == counts
+
+
+def test_restore_as_a_new_attempt_in_another_layout(finished_with_checkpoints, platform_user):
+    run = finished_with_checkpoints
+    step5 = run.checkpoints.get(step=5)
+    response = api_restore(run, {"checkpoint": step5.pk, "parallel": {"dp_replicate": 1, "tp": 2}}, platform_user)
+    assert response.status_code == 201, response.json()
+    assert response.json() == {"run": run.pk, "attempt": 2, "forked": False}
+    attempt = run.attempts.get(number=2)
+    assert (attempt.config["parallel"]["tp"], attempt.config["parallel"]["dp_replicate"]) == (2, 1)
+    assert attempt.config["checkpoint"]["resume"] == "/a1/step-000005"
+    assert (attempt.trigger, attempt.restored_from, attempt.state) == (Attempt.RESTORE, step5, states.QUEUED)
+    run.refresh_from_db()
+    assert run.state == states.QUEUED
+    assert run.config["parallel"]["dp_replicate"] == 2  # the run keeps what it was created with
+
+
+def test_fork_creates_a_run_whose_lineage_joins_the_original(finished_with_checkpoints, platform_user, other_user):
+    run = finished_with_checkpoints
+    step5 = run.checkpoints.get(step=5)
+    response = api_restore(run, {"checkpoint": step5.pk, "mode": "fork", "steps": 40}, platform_user)
+    assert response.status_code == 201
+    fork = Run.objects.get(pk=response.json()["run"])
+    assert (fork.forked_from, fork.name, fork.config["steps"]) == (step5, f"{run.name} from step 5", 40)
+    assert fork.attempts.get().restored_from == step5
+    from django.test import Client
+
+    client = Client()
+    client.force_login(platform_user[0])
+    for origin in (run, fork):
+        lineage = client.get(f"/api/runs/{origin.pk}/lineage").json()
+        assert [r["id"] for r in lineage["runs"]] == [run.pk, fork.pk]
+        assert {(a["run"], a["number"], a["restored_from"]) for a in lineage["attempts"]} == {
+            (run.pk, 1, None),
+            (fork.pk, 1, step5.pk),
+        }
+        assert [(c["step"], c["state"]) for c in lineage["checkpoints"]] == [(5, "committed"), (10, "corrupt")]
+    checkpoints = client.get(f"/api/runs/{run.pk}/checkpoints").json()
+    assert [(c["step"], c["attempt"], c["parent"]) for c in checkpoints] == [(5, 1, None), (10, 1, step5.pk)]
+    stranger = Client()
+    stranger.force_login(other_user)
+    assert stranger.get(f"/api/runs/{run.pk}/lineage").status_code == 404
+    assert api_restore(run, {"checkpoint": step5.pk, "mode": "fork"}, (other_user,)).status_code == 404
+
+
+# Resilience figures.
+
+
+def test_resilience_figures_from_a_failure_and_its_restart(platform_user):
+    run, attempt, _ = claimed_run(platform_user[0], config={**TINY_CONFIG, "checkpoint": {"interval_steps": 5}})
+    start = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
+    ranks = Ranks(attempt)
+    ranks.metrics(range(1, 8), start)  # steps 1–7 at start+1 … start+7, 1 s each
+    ranks.send(0, committed(5, "/a1/step-000005", time=start + 5, stall_s=0.2))
+    ranks.fail(time=start + 8)
+    failed_at = start + 8
+    Attempt.objects.filter(pk=attempt.pk).update(
+        started_at=datetime.fromtimestamp(start, UTC), finished_at=datetime.fromtimestamp(failed_at, UTC)
+    )
+    restart = run.attempts.get(number=2)
+    Attempt.objects.filter(pk=restart.pk).update(token_hash="restart")
+    restart.refresh_from_db()
+    restarted = Ranks(restart)
+    restarted.metrics(range(6, 21), start + 6)  # the first step after resume (6) at start+12, the last at +26
+    restarted.send(0, committed(10, "/a2/step-000010", time=start + 16, stall_s=0.4))
+    Attempt.objects.filter(pk=restart.pk).update(
+        state=states.SUCCEEDED, finished_at=datetime.fromtimestamp(start + 26, UTC)
+    )
+    figures = resilience(run)
+    (failure,) = figures["failures"]
+    assert (failure["last_step"], failure["resumed_step"], failure["rpo_steps"]) == (7, 5, 2)
+    assert failure["rto_s"] == pytest.approx(12 - 8)
+    assert figures["wall_s"] == pytest.approx(26)
+    # Kept: steps 1–5 of attempt 1 and 6–20 of attempt 2, 1 s each; steps 6–7 of attempt 1 were lost.
+    assert figures["productive_s"] == pytest.approx(20)
+    assert figures["ettr"] == pytest.approx(20 / 26)
+    assert figures["checkpoint_stall_s"] == {
+        "saves": 2,
+        "mean": pytest.approx(0.3),
+        "max": 0.4,
+        "total": pytest.approx(0.6),
+    }
+    advice = figures["young_daly"]
+    assert (advice["mtbf_s"], advice["save_cost_s"]) == (pytest.approx(26), pytest.approx(0.3))
+    assert advice["interval_s"] == pytest.approx(young_daly_interval_s(26, 0.3)) == pytest.approx((2 * 26 * 0.3) ** 0.5)
+    assert advice["interval_steps"] == round(advice["interval_s"] / 1.0)
+    assert figures["configured_interval_s"] == pytest.approx(5.0)
+
+
+def test_no_young_daly_advice_before_a_failure(platform_user):
+    run, attempt, _ = claimed_run(platform_user[0])
+    start = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
+    Ranks(attempt).metrics(range(1, 4), start)
+    Attempt.objects.filter(pk=attempt.pk).update(started_at=datetime.fromtimestamp(start, UTC) - timedelta(seconds=1))
+    figures = resilience(run)
+    assert figures["failures"] == [] and figures["young_daly"] is None
+    assert figures["ettr"] == pytest.approx(3 / 4)
