@@ -25,9 +25,36 @@ class AttemptOut(Schema):
     state: str
     exit_code: int | None
     failure_reason: str
+    failure_kind: str
+    retryable: bool | None
+    restart_decision: str
+    # created, restart (automatic) or restore (someone chose a checkpoint), and why in words.
+    trigger: str
+    trigger_note: str
+    # The checkpoint it resumed from: its id and step; null when it started fresh.
+    restored_from: int | None
+    restored_from_step: int | None
+    world_size: int
+    parallel: dict
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+
+    @staticmethod
+    def resolve_restored_from(attempt):
+        return attempt.restored_from_id
+
+    @staticmethod
+    def resolve_restored_from_step(attempt):
+        return attempt.restored_from.step if attempt.restored_from_id is not None else None
+
+    @staticmethod
+    def resolve_world_size(attempt):
+        return world_size_of(attempt.config)
+
+    @staticmethod
+    def resolve_parallel(attempt):
+        return attempt.config.get("parallel", {})
 
 
 class RunOut(Schema):
@@ -44,9 +71,26 @@ class RunDetailOut(RunOut):
     estimate: dict | None
     attempts: list[AttemptOut]
 
+    forked_from: int | None
+    # The run and step of the checkpoint it was forked from; null for a run that was not forked.
+    forked_from_run: int | None
+    forked_from_step: int | None
+
     @staticmethod
     def resolve_attempts(run):
-        return list(run.attempts.all())
+        return list(run.attempts.select_related("restored_from"))
+
+    @staticmethod
+    def resolve_forked_from(run):
+        return run.forked_from_id
+
+    @staticmethod
+    def resolve_forked_from_run(run):
+        return run.forked_from.run_id if run.forked_from_id is not None else None
+
+    @staticmethod
+    def resolve_forked_from_step(run):
+        return run.forked_from.step if run.forked_from_id is not None else None
 
 
 class FieldErrors(Schema):
@@ -124,7 +168,7 @@ def rank_logs(request, run_id: int, number: int, rank: int, lines: int = 200):
     """The tail of what a rank printed (stdout and stderr, as torchrun captured them)."""
     run = services.run_for(request.user, run_id)
     attempt = run.attempts.filter(number=number).first()
-    if attempt is None or not 0 <= rank < world_size_of(run.config):
+    if attempt is None or not 0 <= rank < world_size_of(attempt.config):
         raise HttpError(404, "no such attempt or rank")
     lines = max(1, min(lines, 5000))
     files = {}

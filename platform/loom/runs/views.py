@@ -31,10 +31,11 @@ def new_run(request):
 @login_required
 def run_detail(request, run_id: int):
     run = services.run_for(request.user, run_id)
+    latest = services.latest_attempt(run)
     page = {
         "state": run.state,
-        "ranks": world_size_of(run.config),
-        "attempt": services.latest_attempt(run).number,
+        "ranks": world_size_of(latest.config),
+        "attempt": latest.number,
         "apiUrl": reverse("api:run_detail", args=[run.pk]),
         "socketPath": f"/ws/runs/{run.pk}/",
         "terminalStates": sorted(states.TERMINAL),
