@@ -331,3 +331,34 @@ def test_no_young_daly_advice_before_a_failure(platform_user):
     figures = resilience(run)
     assert figures["failures"] == [] and figures["young_daly"] is None
     assert figures["ettr"] == pytest.approx(3 / 4)
+
+
+# The command line.
+
+
+def test_the_command_lists_checkpoints_and_restores_one_into_another_layout(finished_with_checkpoints):
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    run = finished_with_checkpoints
+    out = StringIO()
+    call_command("checkpoints", str(run.pk), stdout=out)
+    listed = out.getvalue().splitlines()
+    assert [line.split()[1] for line in listed] == ["5", "10"] and "corrupt" in listed[1]
+    with pytest.raises(CommandError, match="no committed checkpoint of step 10; committed steps: 5"):
+        call_command("checkpoints", str(run.pk), "--restore", "10")
+    with pytest.raises(CommandError, match="config.parallel.tp: "):
+        call_command("checkpoints", str(run.pk), "--restore", "5", "--set", "tp=3")
+    assert run.attempts.count() == 1
+    out = StringIO()
+    call_command(
+        "checkpoints", str(run.pk), "--restore", "5", "--set", "dp_replicate=1", "--set", "dp_shard=2", stdout=out
+    )
+    assert out.getvalue().startswith(f"run {run.pk} attempt 2 queued: restored from step 5")
+    parallel = run.attempts.get(number=2).config["parallel"]
+    assert (parallel["dp_replicate"], parallel["dp_shard"]) == (1, 2)
+    out = StringIO()
+    call_command("checkpoints", str(run.pk), "--restore", "5", "--fork", "--name", "wider", stdout=out)
+    fork = Run.objects.get(name="wider")
+    assert fork.forked_from == run.checkpoints.get(step=5) and out.getvalue().startswith(f"run {fork.pk} attempt 1")

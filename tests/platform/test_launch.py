@@ -118,6 +118,9 @@ def test_a_crashing_rank_fails_the_run_with_its_traceback_as_the_reason(live_pla
     attempt = run.attempts.get()
     assert run.state == states.FAILED and attempt.exit_code not in (None, 0)
     assert "rank 1 failed first: InjectedFault: injected fault: rank 1 crashes at step 3" in attempt.failure_reason
+    # A Python exception in the training code would happen again: no automatic restart.
+    assert (attempt.failure_kind, attempt.retryable) == ("exception", False)
+    assert attempt.restart_decision == "not restarted: a failure of kind 'exception' would happen again"
     assert max(metric_steps(run, 0), default=0) <= 2
     logs = run.events.filter(kind="log", rank=1, payload__level="ERROR")
     assert any("injected fault" in event.payload["message"] for event in logs)
