@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
+from trainer import faults
 from trainer.config import RunConfig
 from trainer.telemetry import TelemetryClient
 
@@ -195,6 +196,12 @@ def committed_checkpoints(root: Path) -> list[Path]:
         return []
     found = [path for path in root.iterdir() if step_of(path) is not None and (path / MANIFEST).is_file()]
     return sorted(found, key=step_of)
+
+
+def holds_checkpoints(path: Path) -> bool:
+    """Whether `resume` names a directory of checkpoints rather than one checkpoint: a directory that is
+    not itself a checkpoint (no manifest, no step-NNNNNN name) is searched like "latest" searches its own."""
+    return path.is_dir() and not (path / MANIFEST).is_file() and step_of(path) is None
 
 
 def latest_good(
@@ -392,7 +399,10 @@ class Checkpointer:
             path, manifest = chosen
         else:
             path = Path(resume).absolute()
-            manifest = self.verify(path)
+            if holds_checkpoints(path):
+                path, manifest = self._newest_good_in(path)
+            else:
+                manifest = self.verify(path)
         self._check_model(path, manifest)
         started = time.perf_counter()
         dcp.load(self.state, checkpoint_id=path, process_group=self.group)
@@ -402,6 +412,27 @@ class Checkpointer:
         self.last_saved_step = restored.step
         self._report_restored(restored, time.perf_counter() - started)
         return restored
+
+    def _newest_good_in(self, directory: Path) -> tuple[Path, dict[str, Any]]:
+        """Like "latest", in a directory named explicitly; whoever names one expects a checkpoint there,
+        so finding none that verifies is an error, not a fresh start."""
+        problems: list[CheckpointCorrupt] = []
+
+        def on_corrupt(path: Path, error: CheckpointCorrupt) -> None:
+            problems.append(error)
+            self._report_corrupt(path, error)
+
+        chosen = latest_good(directory, self.verify, on_corrupt)
+        if chosen is not None:
+            return chosen
+        if not problems:
+            raise CheckpointError(
+                f"{directory}: neither a committed checkpoint (no {MANIFEST}) nor a directory of them "
+                f"(no step-NNNNNN directory with a {MANIFEST})"
+            )
+        raise CheckpointError(
+            f"{directory}: no committed checkpoint there verifies ({len(problems)} checked); the newest: {problems[0]}"
+        )
 
     def verify(self, path: Path) -> dict[str, Any]:
         """verify(), with the hashing split over the ranks; every rank gets the same answer."""
@@ -571,6 +602,7 @@ class Checkpointer:
             "loss": manifest["loss"],
         }
         self.telemetry.emit("checkpoint", payload, step=pending.step)
+        faults.corrupt_checkpoint(self.config.faults, pending.step, pending.final)
         self._retire_old(pending.step)
 
     def _retire_old(self, committed_step: int) -> None:

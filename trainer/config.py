@@ -230,7 +230,9 @@ class CheckpointConfig(_Section):
         min_length=1,
         description=(
             'null: start fresh; "latest": the newest committed checkpoint in the directory that verifies '
-            "(falling back past corrupt ones; fresh when there is none); or the path of one checkpoint directory."
+            "(falling back past corrupt ones; fresh when there is none); the path of one checkpoint (step-NNNNNN); "
+            "or the path of a directory of checkpoints (such as another attempt's directory): the newest one there "
+            "that verifies, falling back past corrupt ones, and an error when none does."
         ),
     )
     async_save: bool = Field(
@@ -260,10 +262,53 @@ class TelemetryConfig(_Section):
 
 
 class FaultsConfig(_Section):
-    """Failures injected on purpose, to rehearse what the platform does when a rank dies."""
+    """Failures injected on purpose, to rehearse what the platform does when a rank dies, hangs, slows down,
+    diverges or finds a checkpoint damaged. Every fault is off by default; one at a step past `steps` never fires."""
 
     crash_at_step: int | None = Field(None, ge=1, description="Raise an error on crash_rank at this step; null never.")
     crash_rank: int = Field(0, ge=0, description="The rank that crashes; must be below the world size.")
+    kill_at_step: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "kill_rank sends itself SIGKILL as this step starts, before any of its collectives: the retryable "
+            "crash of a lost process; null never."
+        ),
+    )
+    kill_rank: int = Field(0, ge=0, description="The rank that kills itself; must be below the world size.")
+    hang_at_step: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "hang_rank stops making progress as this step starts and sleeps until it is killed, while its "
+            "heartbeats go on, like a rank stuck in a collective; the other ranks wait for it; null never."
+        ),
+    )
+    hang_rank: int = Field(0, ge=0, description="The rank that hangs; must be below the world size.")
+    slow_rank: int | None = Field(
+        None,
+        ge=0,
+        description="The rank that sleeps slow_ms in every step (a straggler the others wait for); null: none.",
+    )
+    slow_ms: int = Field(
+        0, ge=0, le=600_000, description="Milliseconds slow_rank sleeps inside every timed step; 0 = not slowed."
+    )
+    nan_at_step: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "At this step the loss and every gradient become NaN on every rank, so the parameters diverge from "
+            "then on, like a loss spike; null never."
+        ),
+    )
+    corrupt_checkpoint_step: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Once the checkpoint of this step is committed, rank 0 flips one byte of one of its data files, "
+            "so loading it fails verification; must be a step that is saved; null never."
+        ),
+    )
 
 
 class RestartConfig(_Section):
@@ -399,9 +444,36 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
     _sharding_errors(config, refuse)
     if config.compute.compile and parallel.tp > 1:
         refuse("compute.compile", "cannot be combined with parallel.tp > 1 yet (DTensor backward fails); use false")
-    if config.faults.crash_rank >= parallel.world_size:
-        refuse("faults.crash_rank", f"must be below the world size {parallel.world_size}")
+    _fault_errors(config, refuse)
     return errors
+
+
+def _fault_errors(config: RunConfig, refuse) -> None:
+    faults, world_size = config.faults, config.parallel.world_size
+    for name in ("crash_rank", "kill_rank", "hang_rank", "slow_rank"):
+        rank = getattr(faults, name)
+        if rank is not None and rank >= world_size:
+            refuse(f"faults.{name}", f"must be below the world size {world_size}")
+    step, checkpoint = faults.corrupt_checkpoint_step, config.checkpoint
+    if step is None:
+        return
+    if not checkpoint.saves:
+        refuse(
+            "faults.corrupt_checkpoint_step",
+            f"no checkpoint is saved at step {step}: checkpointing is off; set checkpoint.interval_steps",
+        )
+    elif step != config.steps and not (checkpoint.interval_steps and step % checkpoint.interval_steps == 0):
+        # Saves by the clock land on steps no one can name in advance; the final step is always saved.
+        interval = checkpoint.interval_steps
+        fix = (
+            f"use a multiple of {interval} or the final step {config.steps}"
+            if interval
+            else f"use the final step {config.steps} or set checkpoint.interval_steps"
+        )
+        refuse(
+            "faults.corrupt_checkpoint_step",
+            f"no checkpoint is saved at step {step} (checkpoint.interval_steps is {interval}); {fix}",
+        )
 
 
 def _pipeline_errors(config: RunConfig, refuse) -> None:

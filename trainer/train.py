@@ -216,6 +216,7 @@ def train(
     for step in range(first_step, config.steps + 1):
         faults.before_step(config.faults, step, launch.rank)
         started = time.perf_counter()
+        faults.slow_down(config.faults, launch.rank)
         with comm.recording():
             lr = learning_rate(step, config.steps, config.optimizer)
             for group in optimizer.param_groups:
@@ -224,6 +225,7 @@ def train(
             inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
             optimizer.zero_grad(set_to_none=True)
             loss = parallel_model.forward_backward(inputs, targets)
+            loss = faults.diverge(config.faults, step, loss, parameters)
             norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh)
             optimizer.step()
 

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from trainer.checkpoint import (
     checkpoint_root,
     commit,
     committed_checkpoints,
+    holds_checkpoints,
     latest_good,
     restore_rng_states,
     rng_states,
@@ -32,7 +32,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import ConfigError, parse_config
 
-from .torchrun import FinishedRun, run_trainer, start_trainer, started_run_result
+from .torchrun import FinishedRun, kill_trainer, run_trainer, start_trainer, started_run_result, wait_for_output
 
 STEPS = 6
 HALF = 3
@@ -156,6 +156,17 @@ def test_only_final_names_with_a_manifest_count_as_committed(tmp_path):
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     assert [path.name for path in committed_checkpoints(tmp_path)] == ["step-000003", "step-000010", "step-000020"]
     assert committed_checkpoints(tmp_path / "absent") == []
+
+
+def test_resume_searches_a_directory_that_is_not_itself_a_checkpoint(tmp_path):
+    committed_at(tmp_path / "attempt-7", 10)
+    (tmp_path / "empty").mkdir()
+    write_checkpoint_files(tmp_path / "step-000020", {"__0_0.distcp": b"never committed"})
+    assert holds_checkpoints(tmp_path / "attempt-7")
+    assert holds_checkpoints(tmp_path / "empty"), "searched, so the error says that it holds none"
+    assert not holds_checkpoints(tmp_path / "attempt-7" / "step-000010")
+    assert not holds_checkpoints(tmp_path / "step-000020"), "a checkpoint's name: verify says it was never committed"
+    assert not holds_checkpoints(tmp_path / "absent")
 
 
 def test_latest_good_falls_back_past_corrupt_checkpoints_and_reports_them(tmp_path):
@@ -359,9 +370,17 @@ def test_an_fsdp_checkpoint_resumes_in_another_layout(straight, tmp_path, layout
 
 
 @pytest.mark.slow
-def test_latest_falls_back_past_a_corrupt_checkpoint_and_never_takes_an_uncommitted_one(straight, corrupted, tmp_path):
+@pytest.mark.parametrize("named", [False, True], ids=["latest", "named_directory"])
+def test_resuming_from_a_directory_falls_back_past_a_corrupt_checkpoint_never_to_an_uncommitted_one(
+    straight, corrupted, tmp_path, named
+):
+    """The run's own directory ("latest") and a directory named in resume are searched alike."""
     run, _ = straight
-    resumed = run_trainer(tmp_path, fsdp2({"resume": "latest", "directory": str(corrupted)}))
+    if named:
+        checkpoint = {"resume": str(corrupted), "directory": str(tmp_path / "checkpoints")}
+    else:
+        checkpoint = {"resume": "latest", "directory": str(corrupted)}
+    resumed = run_trainer(tmp_path, fsdp2(checkpoint))
     assert resumed.returncode == 0, resumed.output[-4000:]
     (corrupt,) = checkpoint_events(resumed, "corrupt")
     assert corrupt["step"] == 6 and corrupt["path"] == str(corrupted / "step-000006")
@@ -374,19 +393,46 @@ def test_latest_falls_back_past_a_corrupt_checkpoint_and_never_takes_an_uncommit
 
 
 @pytest.mark.slow
+def test_a_named_directory_resumes_from_its_newest_checkpoint(straight, tmp_path):
+    """Into one rank: the newest checkpoint (step 6, of 3, 5 and 6) is the straight run's final state."""
+    run, directory = straight
+    resumed = run_trainer(tmp_path, document({"resume": str(directory), "directory": str(tmp_path / "checkpoints")}))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert checkpoint_events(resumed, "corrupt") == []
+    (loaded,) = checkpoint_events(resumed, "loaded")
+    assert loaded["step"] == STEPS and loaded["path"] == str(directory / f"step-{STEPS:06d}")
+    assert metric_steps(resumed) == []
+    reference = run.parameters()
+    assert sorted(resumed.parameters()) == sorted(reference)
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in resumed.parameters().items())
+
+
+@pytest.mark.slow
+def test_a_named_directory_where_no_checkpoint_verifies_fails_naming_it_and_the_first_problem(corrupted, tmp_path):
+    """Whoever names a directory expects a checkpoint there: none that verifies is an error, not a fresh start."""
+    directory = tmp_path / "attempt-3"
+    for name in ("step-000005", "step-000006"):
+        shutil.copytree(corrupted / name, directory / name)
+    (directory / "step-000005" / ".metadata").unlink()
+    run = run_trainer(tmp_path, document({"resume": str(directory)}))
+    assert run.returncode != 0
+    assert (
+        f"CheckpointError: {directory}: no committed checkpoint there verifies (2 checked); "
+        "the newest: step-000006/__0_0.distcp: sha256 mismatch"
+    ) in run.output
+    assert [(event["step"], event["error"]) for event in checkpoint_events(run, "corrupt")] == [
+        (6, "step-000006/__0_0.distcp: sha256 mismatch"),
+        (5, "step-000005/.metadata: missing"),
+    ]
+    assert run.events("metric") == []
+
+
+@pytest.mark.slow
 def test_an_explicit_corrupt_checkpoint_fails_naming_the_file(corrupted, tmp_path):
     run = run_trainer(tmp_path, document({"resume": str(corrupted / "step-000006")}))
     assert run.returncode != 0
     assert "CheckpointCorrupt: step-000006/__0_0.distcp: sha256 mismatch" in run.output
     assert run.events("metric") == []
-
-
-def wait_for_output(workdir: Path, text: str, process, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    output = workdir / "output.log"
-    while text not in output.read_text():
-        assert process.poll() is None and time.monotonic() < deadline, output.read_text()[-4000:]
-        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -399,7 +445,7 @@ def test_sigterm_commits_a_checkpoint_of_the_last_completed_step(tmp_path):
         process.wait(timeout=60)
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_trainer(process)
     run = started_run_result(tmp_path, process)
     stopped = [event["payload"] for _, event in run.events("state") if event["payload"]["state"] == "stopped"]
     assert len(stopped) == 2 and stopped[0]["step"] == stopped[1]["step"] >= 3, run.output[-4000:]

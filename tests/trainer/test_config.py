@@ -102,3 +102,65 @@ def test_compile_is_refused_with_tensor_parallelism_until_it_works():
     assert errors == {
         "compute.compile": "cannot be combined with parallel.tp > 1 yet (DTensor backward fails); use false"
     }
+
+
+def test_faults_are_all_off_by_default():
+    faults = parse_config({}).faults
+    assert faults.crash_at_step is faults.kill_at_step is faults.hang_at_step is faults.nan_at_step is None
+    assert faults.slow_rank is faults.corrupt_checkpoint_step is None and faults.slow_ms == 0
+
+
+@pytest.mark.parametrize("field", ["crash_rank", "kill_rank", "hang_rank", "slow_rank"])
+def test_every_faulty_rank_must_exist(field):
+    assert errors_of({"parallel": {"dp_shard": 2}, "faults": {field: 2}}) == {
+        f"faults.{field}": "must be below the world size 2"
+    }
+
+
+def test_fault_steps_start_at_one_and_slow_ms_stays_within_ten_minutes():
+    document = {"faults": {"kill_at_step": 0, "hang_at_step": 0, "nan_at_step": 0, "slow_ms": 600_001}}
+    assert errors_of(document) == {
+        "faults.kill_at_step": "Input should be greater than or equal to 1",
+        "faults.hang_at_step": "Input should be greater than or equal to 1",
+        "faults.nan_at_step": "Input should be greater than or equal to 1",
+        "faults.slow_ms": "Input should be less than or equal to 600000",
+    }
+    assert errors_of({"faults": {"slow_ms": -1, "corrupt_checkpoint_step": 0}}) == {
+        "faults.slow_ms": "Input should be greater than or equal to 0",
+        "faults.corrupt_checkpoint_step": "Input should be greater than or equal to 1",
+    }
+
+
+def test_a_fault_step_past_the_last_step_is_allowed():
+    faults = {"kill_at_step": 50, "hang_at_step": 50, "nan_at_step": 50, "corrupt_checkpoint_step": 50}
+    config = parse_config({"steps": 10, "checkpoint": {"interval_steps": 5}, "faults": faults})
+    assert config.faults.corrupt_checkpoint_step == 50
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "step", "message"),
+    [
+        (
+            {"interval_steps": 5},
+            7,
+            "no checkpoint is saved at step 7 (checkpoint.interval_steps is 5); use a multiple of 5 or the final "
+            "step 20",
+        ),
+        (
+            {"interval_minutes": 10},
+            7,
+            "no checkpoint is saved at step 7 (checkpoint.interval_steps is 0); use the final step 20 or set "
+            "checkpoint.interval_steps",
+        ),
+        ({}, 20, "no checkpoint is saved at step 20: checkpointing is off; set checkpoint.interval_steps"),
+    ],
+)
+def test_a_corrupted_checkpoint_must_be_one_that_is_saved(checkpoint, step, message):
+    document = {"steps": 20, "checkpoint": checkpoint, "faults": {"corrupt_checkpoint_step": step}}
+    assert errors_of(document) == {"faults.corrupt_checkpoint_step": message}
+
+
+@pytest.mark.parametrize(("checkpoint", "step"), [({"interval_steps": 5}, 15), ({"interval_minutes": 10}, 20)])
+def test_a_corrupted_checkpoint_may_be_a_periodic_or_the_final_save(checkpoint, step):
+    document = {"steps": 20, "checkpoint": checkpoint, "faults": {"corrupt_checkpoint_step": step}}
+    assert parse_config(document).faults.corrupt_checkpoint_step == step

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,8 +86,9 @@ def run_trainer(
 
 
 def start_trainer(workdir: Path, document: dict) -> subprocess.Popen:
-    """Start the run like the platform's launcher does, in a session of its own so that os.killpg
-    reaches torchrun and every rank; its output goes to workdir/output.log."""
+    """Start the run like the platform's launcher does, in a session of its own; its output goes to
+    workdir/output.log. torchrun passes a SIGTERM to its group on to the ranks, but starts each rank
+    in a session of its own, so only kill_trainer reaches them with SIGKILL."""
     command, environ = trainer_launch(workdir, document)
     with (workdir / "output.log").open("w") as output:
         return subprocess.Popen(
@@ -96,3 +99,36 @@ def start_trainer(workdir: Path, document: dict) -> subprocess.Popen:
 def started_run_result(workdir: Path, process: subprocess.Popen) -> FinishedRun:
     """What a run from start_trainer left behind, once its process has ended."""
     return FinishedRun(process.wait(), (workdir / "output.log").read_text(), workdir / "spool", workdir / "params")
+
+
+def wait_for_output(workdir: Path, text: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Wait until a run from start_trainer has printed text; fails if it ends or times out first."""
+    deadline = time.monotonic() + timeout_s
+    output = workdir / "output.log"
+    while text not in output.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, output.read_text()[-4000:]
+        time.sleep(0.1)
+
+
+def kill_trainer(process: subprocess.Popen) -> None:
+    """SIGKILL a run from start_trainer: its ranks first (killed, torchrun cannot pass the signal on),
+    then torchrun's group."""
+    for pid in child_pids(process.pid):
+        os.kill(pid, signal.SIGKILL)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def child_pids(parent: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name in parentheses may hold spaces; the parent pid is the second field after it.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children
