@@ -542,6 +542,26 @@ class Checkpointer:
                 payload = {"state": "failed", "step": pending.step, "path": str(pending.temporary), "error": str(error)}
                 self.telemetry.emit("checkpoint", payload, step=pending.step)
 
+    def wait_for_writes(self) -> None:
+        """Blocks until every rank has written the pending save (not until rank 0 has committed it)."""
+        if self.pending is not None:
+            try:
+                self.pending.upload.result()
+            except Exception as error:
+                logger.error("checkpoint of step %d failed: %s", self.pending.step, error)
+
+    def salvage(self, timeout_s: float) -> None:
+        """After the training loop failed: a save that every rank had finished writing is still committed
+        and reported by rank 0, so a restart finds it; one still being written cannot finish and is left
+        as its temporary directory."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending.committed is None:
+            return
+        try:
+            pending.committed.result(timeout=timeout_s)
+        except Exception as error:  # a peer gone mid-write, or the timeout
+            logger.warning("checkpoint of step %d left uncommitted after the failure: %r", pending.step, error)
+
     def close(self) -> None:
         self.wait()
         if self.stager is not None:

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,10 +24,11 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def before_step(faults: FaultsConfig, step: int, rank: int) -> None:
-    """The faults that strike as a step starts, before any of its collectives."""
+def before_step(faults: FaultsConfig, step: int, rank: int, settle: Callable[[], None]) -> None:
+    """The faults that strike as a step starts, before any of its collectives. `settle` waits for the
+    checkpoint writes in flight, so what a kill leaves behind does not depend on timing."""
     crash(faults, step, rank)
-    kill(faults, step, rank)
+    kill(faults, step, rank, settle)
     hang(faults, step, rank)
 
 
@@ -35,10 +37,12 @@ def crash(faults: FaultsConfig, step: int, rank: int) -> None:
         raise InjectedFault(f"injected fault: rank {rank} crashes at step {step} (faults.crash_at_step)")
 
 
-def kill(faults: FaultsConfig, step: int, rank: int) -> None:
+def kill(faults: FaultsConfig, step: int, rank: int, settle: Callable[[], None]) -> None:
     """SIGKILL cannot be caught: no handler, no cleanup and no last telemetry, as when the kernel or a
-    node failure ends a process."""
+    node failure ends a process. A checkpoint save still being written first finishes writing: a real
+    crash may land before or after it, and a rehearsal must land at the same place every time."""
     if faults.kill_at_step == step and faults.kill_rank == rank:
+        settle()
         logger.warning("injected fault: rank %d kills itself with SIGKILL at step %d (faults.kill_at_step)", rank, step)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -45,6 +45,9 @@ USAGE_EXIT_CODE = 2
 # A stopped rank has little time before torchrun escalates to SIGKILL; leftovers stay spooled.
 STOPPED_TELEMETRY_TIMEOUT_S = 3.0
 FINAL_TELEMETRY_TIMEOUT_S = 30.0
+# After a failure, how long rank 0 may spend sealing a checkpoint every rank had written; torchrun
+# waits 30 s after its SIGTERM before it SIGKILLs the survivors.
+SALVAGE_TIMEOUT_S = 15.0
 DEFAULT_SPOOL_DIR = "telemetry-spool"
 
 logger = logging.getLogger("trainer.train")
@@ -213,59 +216,63 @@ def train(
     tokens_per_rank_step = config.data.micro_batch * config.model.seq_len
     tokens_seen = (first_step - 1) * tokens_per_rank_step
     last_step, last_loss, stop_votes = first_step - 1, None, 0.0
-    for step in range(first_step, config.steps + 1):
-        faults.before_step(config.faults, step, launch.rank)
-        started = time.perf_counter()
-        faults.slow_down(config.faults, launch.rank)
-        with comm.recording():
-            lr = learning_rate(step, config.steps, config.optimizer)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = sampler.batch(step, mesh.dp_rank, data_parallel)
-            inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss = parallel_model.forward_backward(inputs, targets)
-            loss = faults.diverge(config.faults, step, loss, parameters)
-            norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh)
-            optimizer.step()
+    try:
+        for step in range(first_step, config.steps + 1):
+            faults.before_step(config.faults, step, launch.rank, settle=checkpointer.wait_for_writes)
+            started = time.perf_counter()
+            faults.slow_down(config.faults, launch.rank)
+            with comm.recording():
+                lr = learning_rate(step, config.steps, config.optimizer)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                batch = sampler.batch(step, mesh.dp_rank, data_parallel)
+                inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss = parallel_model.forward_backward(inputs, targets)
+                loss = faults.diverge(config.faults, step, loss, parameters)
+                norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh)
+                optimizer.step()
 
-            # One collective per step carries the loss sum, how many ranks hold a loss (only the last
-            # pipeline stage does), the stop vote and the checkpoint-clock vote, so every rank leaves
-            # the loop, and saves, after the same step.
-            local_loss = to_local_value(loss) if loss is not None else None
-            votes = [float(stop.requested), float(checkpointer.due_by_time())]
-            shared = torch.tensor([local_loss or 0.0, float(local_loss is not None), *votes], dtype=torch.float64)
-            dist.all_reduce(shared)
-            loss_sum, loss_count, stop_votes, save_votes = shared.tolist()
-        step_time = time.perf_counter() - started
-        tokens_seen += tokens_per_rank_step
-        metrics = {
-            "loss_mean": loss_sum / loss_count,
-            "grad_norm": norm,
-            "lr": lr,
-            "step_time_s": step_time,
-            "tokens_per_s": tokens_per_rank_step / step_time,
-            "tokens": tokens_seen,
-            "mfu": mfu(flops_per_token, global_tokens, step_time, launch.world_size, peak),
-            **memory(device),
-        }
-        if local_loss is not None:
-            metrics["loss"] = local_loss
-        if step == first_step:
-            metrics |= state_bytes(parameters, optimizer)
-        telemetry.emit("metric", metrics, step=step)
-        comm.step_finished(step)
-        print(
-            f"rank {launch.rank} step {step}/{config.steps} loss {metrics.get('loss', float('nan')):.4f} "
-            f"mean {metrics['loss_mean']:.4f} grad_norm {norm:.3f} lr {lr:.2e} "
-            f"{metrics['tokens_per_s']:,.0f} tok/s {step_time * 1000:.0f} ms",
-            flush=True,
-        )
-        last_step, last_loss = step, metrics["loss_mean"]
-        if checkpointer.due(step) or save_votes:
-            checkpointer.save(step, last_loss)
-        if stop_votes:
-            break
+                # One collective per step carries the loss sum, how many ranks hold a loss (only the last
+                # pipeline stage does), the stop vote and the checkpoint-clock vote, so every rank leaves
+                # the loop, and saves, after the same step.
+                local_loss = to_local_value(loss) if loss is not None else None
+                votes = [float(stop.requested), float(checkpointer.due_by_time())]
+                shared = torch.tensor([local_loss or 0.0, float(local_loss is not None), *votes], dtype=torch.float64)
+                dist.all_reduce(shared)
+                loss_sum, loss_count, stop_votes, save_votes = shared.tolist()
+            step_time = time.perf_counter() - started
+            tokens_seen += tokens_per_rank_step
+            metrics = {
+                "loss_mean": loss_sum / loss_count,
+                "grad_norm": norm,
+                "lr": lr,
+                "step_time_s": step_time,
+                "tokens_per_s": tokens_per_rank_step / step_time,
+                "tokens": tokens_seen,
+                "mfu": mfu(flops_per_token, global_tokens, step_time, launch.world_size, peak),
+                **memory(device),
+            }
+            if local_loss is not None:
+                metrics["loss"] = local_loss
+            if step == first_step:
+                metrics |= state_bytes(parameters, optimizer)
+            telemetry.emit("metric", metrics, step=step)
+            comm.step_finished(step)
+            print(
+                f"rank {launch.rank} step {step}/{config.steps} loss {metrics.get('loss', float('nan')):.4f} "
+                f"mean {metrics['loss_mean']:.4f} grad_norm {norm:.3f} lr {lr:.2e} "
+                f"{metrics['tokens_per_s']:,.0f} tok/s {step_time * 1000:.0f} ms",
+                flush=True,
+            )
+            last_step, last_loss = step, metrics["loss_mean"]
+            if checkpointer.due(step) or save_votes:
+                checkpointer.save(step, last_loss)
+            if stop_votes:
+                break
+    except BaseException:
+        checkpointer.salvage(SALVAGE_TIMEOUT_S)
+        raise
     # A run that stops early, or whose steps do not fill the last window, still reports it.
     comm.flush()
     # A stopped run saves the step it completed last, a finished one its final step (unless saved already).

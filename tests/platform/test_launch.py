@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +125,30 @@ def test_a_crashing_rank_fails_the_run_with_its_traceback_as_the_reason(live_pla
     assert max(metric_steps(run, 0), default=0) <= 2
     logs = run.events.filter(kind="log", rank=1, payload__level="ERROR")
     assert any("injected fault" in event.payload["message"] for event in logs)
+
+
+def test_cancelling_a_run_with_a_hung_rank_leaves_no_rank_behind(live_platform, platform_user):
+    """torchrun starts each rank in a session of its own and waits 30 s before it SIGKILLs a rank that
+    ignores SIGTERM; the launcher's grace is shorter, so it must find and kill the ranks itself."""
+    from loom.runs.launcher import descendants
+    from loom.runs.services import cancel_run, create_run
+
+    run = create_run(platform_user[0], "hangs", {**TINY_CONFIG, "faults": {"hang_at_step": 3, "hang_rank": 1}})
+    wait_for(lambda: 2 in metric_steps(run, 0), timeout=120, message="step 2")
+    running = run.events.get(kind="state", rank=-1, payload__state=states.RUNNING)
+    ranks = wait_for(lambda: descendants(running.payload["pid"]), timeout=10, message="the ranks' processes")
+    cancel_run(run)
+    run = wait_for(
+        lambda: Run.objects.filter(pk=run.pk, state__in=states.TERMINAL).first(), timeout=60, message="the cancel"
+    )
+    assert run.state == states.CANCELLED
+    wait_for(lambda: not any(running_process(pid) for pid in ranks), timeout=10, message="every rank to be gone")
+
+
+def running_process(pid: int) -> bool:
+    """Whether pid is a live process (a zombie waiting for its parent counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

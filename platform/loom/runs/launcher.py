@@ -136,7 +136,11 @@ def _supervise(process: subprocess.Popen, attempt_id: int) -> tuple[int, str | N
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float) -> int:
-    """SIGTERM the group (ranks save and flush telemetry), SIGKILL whatever is left after grace_s."""
+    """SIGTERM the group (ranks save and flush telemetry), SIGKILL whatever is left after grace_s.
+
+    torchrun starts every rank in a session of its own, so a rank that ignores SIGTERM (hung in a
+    collective) would outlive torchrun's group: the ranks are found by parentage first and killed too."""
+    tree = [(pid, started_at(pid)) for pid in descendants(process.pid)]
     _signal_group(process.pid, signal.SIGTERM)
     try:
         exit_code = process.wait(timeout=grace_s)
@@ -144,10 +148,51 @@ def stop_process_group(process: subprocess.Popen, grace_s: float) -> int:
         _signal_group(process.pid, signal.SIGKILL)
         exit_code = process.wait()
     deadline = time.monotonic() + grace_s
-    while _group_alive(process.pid) and time.monotonic() < deadline:
+    while (_group_alive(process.pid) or any(_same_process(*known) for known in tree)) and time.monotonic() < deadline:
         time.sleep(0.1)
     _signal_group(process.pid, signal.SIGKILL)
+    for pid, start in tree:
+        if _same_process(pid, start):
+            _signal_pid(pid, signal.SIGKILL)
     return exit_code
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid, from each process's parent in /proc (Linux, where torchrun runs)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name in parentheses may hold spaces; the parent pid is the second field after it.
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for parent in frontier for child in children.get(parent, [])]
+        found += below
+        frontier = below
+    return found
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def started_at(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22): with the pid it
+    names one process, where a pid alone may have been reused by the time it is signalled."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _same_process(pid: int, start: str | None) -> bool:
+    return start is not None and started_at(pid) == start
 
 
 def _signal_group(pgid: int, sig: int) -> None:
