@@ -4,6 +4,10 @@
 // so a socket event is applied only when it is exactly the next one; a gap, a reconnect or a quiet
 // spell sends the page back to the API for everything after the last seq it applied. That way a
 // chart never misses a point and never draws one twice.
+//
+// Attempts, checkpoints and the resilience figures are not patched from events: a state or a
+// checkpoint event asks the API for all three again (at most once per DETAILS_DELAY_MS), so what the
+// page shows of them is what the server holds, restarts and restores included.
 
 (() => {
   const page = JSON.parse(document.getElementById("run-page").textContent);
@@ -18,14 +22,25 @@
   // no next one: while the run is not finished, a socket this quiet means asking the API.
   const QUIET_SOCKET_MS = 5000;
   const LAUNCHER_RANK = -1;
+  const DETAILS_DELAY_MS = 300;
   const CHART_FOR_METRIC = { loss: "loss-chart", tokens_per_s: "tokens-chart" };
-  const AXIS_TITLE = { loss: "loss", tokens_per_s: "tokens/s" };
+  const AXIS_TITLE = { loss: "loss (mean over ranks)", tokens_per_s: "tokens/s, all ranks" };
+  const HOVER_FORMAT = { loss: "%{y:.4f}", tokens_per_s: "%{y:,.0f}" };
+  const PLOT_CONFIG = { responsive: true, displaylogo: false };
+  const DEGREES = ["dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"];
 
   const run = {
     lastSeq: 0,
     state: page.state,
+    // What each rank reported, by rank: [step, value] in the order it arrived, every attempt's steps.
     points: Object.fromEntries(Object.keys(CHART_FOR_METRIC).map((metric) => [metric, {}])),
+    // What the charts draw, one trace per attempt: [step, value] sorted by step.
+    series: Object.fromEntries(Object.keys(CHART_FOR_METRIC).map((metric) => [metric, {}])),
     appliedSeqs: 0,
+    // The latest answers of the run, checkpoints and resilience APIs.
+    detail: null,
+    checkpoints: [],
+    resilience: null,
   };
   window.loomRun = run;
 
@@ -37,39 +52,43 @@
   const liveLog = document.getElementById("live-log");
   const loadCapturedButton = document.getElementById("load-captured");
   const capturedLogs = document.getElementById("captured-logs");
+  const checkpointRows = document.getElementById("checkpoint-rows");
+  const restoreForm = document.getElementById("restore-form");
+  const restoreLaunch = document.getElementById("restore-launch");
   const estimateElement = document.getElementById("run-estimate");
   // What the planner predicted when the run was created on a cluster; null without one.
   const prediction = estimateElement ? JSON.parse(estimateElement.textContent) : null;
+  const KIB = 2 ** 10;
   const MIB = 2 ** 20;
   const GIB = 2 ** 30;
 
   let latestAttempt = page.attempt;
   const logLines = {};
 
-  // ---- drawing: points and log lines queue up and are drawn once per animation frame ----
+  // ---- drawing: charts and log lines are redrawn at most once per animation frame ----
 
   const charts = {};
-  let pendingPoints = emptyPending();
+  let chartsDirty = false;
   let logDirty = false;
   let frameRequested = false;
 
-  function emptyPending() {
-    return Object.fromEntries(Object.keys(CHART_FOR_METRIC).map((metric) => [metric, {}]));
-  }
-
   function setUpCharts() {
     for (const [metric, elementId] of Object.entries(CHART_FOR_METRIC)) {
-      const element = document.getElementById(elementId);
-      const layout = {
-        margin: { l: 60, r: 16, t: 8, b: 44 },
-        xaxis: { title: { text: "step" } },
-        yaxis: { title: { text: AXIS_TITLE[metric] } },
-        legend: { orientation: "h", y: -0.25 },
-        uirevision: "keep-zoom",
-      };
-      Plotly.newPlot(element, [], layout, { responsive: true, displaylogo: false });
-      charts[metric] = { element, traceForRank: new Map() };
+      charts[metric] = document.getElementById(elementId);
+      Plotly.newPlot(charts[metric], [], chartLayout(metric), PLOT_CONFIG);
     }
+  }
+
+  // A fresh layout each time; uirevision keeps a zoom the user chose across redraws.
+  function chartLayout(metric) {
+    return {
+      margin: { l: 60, r: 16, t: 8, b: 44 },
+      xaxis: { title: { text: "step" } },
+      yaxis: { title: { text: AXIS_TITLE[metric] } },
+      legend: { orientation: "h", y: -0.25 },
+      showlegend: true,
+      uirevision: "keep-zoom",
+    };
   }
 
   function requestFrame() {
@@ -81,10 +100,10 @@
 
   function drawFrame() {
     frameRequested = false;
-    for (const [metric, pointsByRank] of Object.entries(pendingPoints)) {
-      drawPoints(charts[metric], pointsByRank);
+    if (chartsDirty) {
+      chartsDirty = false;
+      for (const metric of Object.keys(CHART_FOR_METRIC)) drawChart(metric);
     }
-    pendingPoints = emptyPending();
     if (measuredDirty) drawMeasured();
     if (logDirty) {
       logDirty = false;
@@ -94,24 +113,24 @@
     }
   }
 
-  function drawPoints(chart, pointsByRank) {
-    const newTraces = [];
-    const extension = { x: [], y: [] };
-    const extendedTraces = [];
-    for (const [rank, points] of Object.entries(pointsByRank)) {
-      const x = points.map((point) => point[0]);
-      const y = points.map((point) => point[1]);
-      if (chart.traceForRank.has(rank)) {
-        extendedTraces.push(chart.traceForRank.get(rank));
-        extension.x.push(x);
-        extension.y.push(y);
-      } else {
-        chart.traceForRank.set(rank, chart.traceForRank.size);
-        newTraces.push({ x, y, name: `rank ${rank}`, type: "scatter", mode: "lines" });
-      }
-    }
-    if (newTraces.length) Plotly.addTraces(chart.element, newTraces);
-    if (extendedTraces.length) Plotly.extendTraces(chart.element, extension, extendedTraces);
+  // Separate traces, so a restart's steps (which repeat the ones after its checkpoint) start a new
+  // segment where it resumed instead of a line back from where the failed attempt stopped.
+  function drawChart(metric) {
+    const traces = Object.keys(run.series[metric])
+      .map(Number)
+      .sort((a, b) => a - b)
+      .map((attempt) => {
+        const points = run.series[metric][attempt];
+        return {
+          x: points.map((point) => point[0]),
+          y: points.map((point) => point[1]),
+          name: `attempt ${attempt}`,
+          type: "scatter",
+          mode: points.length > 1 ? "lines" : "markers",
+          hovertemplate: `step %{x}: ${HOVER_FORMAT[metric]}<extra>attempt ${attempt}</extra>`,
+        };
+      });
+    Plotly.react(charts[metric], traces, chartLayout(metric), PLOT_CONFIG);
   }
 
   // ---- applying events ----
@@ -120,6 +139,7 @@
     if (event.kind === "metric") addMetric(event);
     else if (event.kind === "state") applyState(event);
     else if (event.kind === "log") addLogLine(event.rank, formatLog(event));
+    if (event.kind === "state" || event.kind === "checkpoint") scheduleDetails();
     run.lastSeq = event.seq;
     run.appliedSeqs += 1;
   }
@@ -129,12 +149,74 @@
       const value = event.payload[metric];
       if (value === undefined || value === null) continue;
       // A diverged loss arrives as the string "NaN" or "Infinity": Number() keeps it as such.
-      const point = [event.step, Number(value)];
-      (run.points[metric][event.rank] ||= []).push(point);
-      (pendingPoints[metric][event.rank] ||= []).push(point);
+      (run.points[metric][event.rank] ||= []).push([event.step, Number(value)]);
     }
+    if (event.attempt !== null && event.step !== null) addToSeries(event);
     if (prediction) measure(event.rank, event.payload);
+    chartsDirty = true;
     requestFrame();
+  }
+
+  // ---- one series per attempt ----
+
+  // The loss is the mean over the ranks that hold one, which every rank reports alike: the first
+  // report of a step is the attempt's. Throughput is the mean of what the ranks report times the
+  // attempt's data-parallel ranks (ranks that share a batch each report that batch's), null until the
+  // attempt's layout is known.
+  const seriesPoint = Object.fromEntries(Object.keys(CHART_FOR_METRIC).map((metric) => [metric, {}]));
+  const tokensReported = {};
+
+  function addToSeries(event) {
+    const { attempt, step, payload } = event;
+    if (payload.loss_mean !== undefined && payload.loss_mean !== null && !pointAt("loss", attempt, step)) {
+      insertPoint("loss", attempt, [step, Number(payload.loss_mean)]);
+    }
+    const tokensPerS = Number(payload.tokens_per_s);
+    if (payload.tokens_per_s === undefined || payload.tokens_per_s === null || !Number.isFinite(tokensPerS)) return;
+    const reported = ((tokensReported[attempt] ||= new Map()).get(step) || { sum: 0, ranks: 0 });
+    reported.sum += tokensPerS;
+    reported.ranks += 1;
+    tokensReported[attempt].set(step, reported);
+    const point = pointAt("tokens_per_s", attempt, step) || insertPoint("tokens_per_s", attempt, [step, null]);
+    point[1] = allRanksTokensPerS(attempt, reported);
+  }
+
+  function allRanksTokensPerS(attempt, reported) {
+    const dataParallel = dataParallelOf(attempt);
+    return dataParallel === null ? null : (reported.sum / reported.ranks) * dataParallel;
+  }
+
+  // Once the API has told the page an attempt's layout, its throughput points can be drawn.
+  function completeTokenSeries() {
+    for (const [attempt, steps] of Object.entries(tokensReported)) {
+      for (const [step, reported] of steps) {
+        const point = pointAt("tokens_per_s", Number(attempt), step);
+        if (point[1] === null) {
+          point[1] = allRanksTokensPerS(Number(attempt), reported);
+          chartsDirty = true;
+        }
+      }
+    }
+    if (chartsDirty) requestFrame();
+  }
+
+  function dataParallelOf(attemptNumber) {
+    const attempt = run.detail?.attempts.find((candidate) => candidate.number === attemptNumber);
+    return attempt ? (attempt.parallel.dp_replicate ?? 1) * (attempt.parallel.dp_shard ?? 1) : null;
+  }
+
+  function pointAt(metric, attempt, step) {
+    return seriesPoint[metric][attempt]?.get(step);
+  }
+
+  // Steps arrive in order from each rank, but a rank's retried batch can land after a later one.
+  function insertPoint(metric, attempt, point) {
+    const points = (run.series[metric][attempt] ||= []);
+    (seriesPoint[metric][attempt] ||= new Map()).set(point[0], point);
+    let index = points.length;
+    while (index > 0 && points[index - 1][0] > point[0]) index -= 1;
+    points.splice(index, 0, point);
+    return point;
   }
 
   // ---- predicted vs measured ----
@@ -170,7 +252,9 @@
   }
 
   function formatBytes(bytes) {
-    return bytes >= GIB ? `${(bytes / GIB).toFixed(2)} GiB` : `${(bytes / MIB).toFixed(1)} MiB`;
+    if (bytes >= GIB) return `${(bytes / GIB).toFixed(2)} GiB`;
+    if (bytes >= MIB) return `${(bytes / MIB).toFixed(1)} MiB`;
+    return bytes >= KIB ? `${(bytes / KIB).toFixed(1)} KiB` : `${bytes} B`;
   }
 
   function wholeNumber(value) {
@@ -183,9 +267,10 @@
       addLogLine(event.rank, `${clock(event.time)} rank ${event.rank} ${payload.state}`);
       return;
     }
-    updateAttemptRow(payload);
-    if (payload.attempt >= latestAttempt) {
-      latestAttempt = payload.attempt;
+    // The run's state is its latest attempt's; a late event of an earlier attempt does not change it.
+    const number = event.attempt ?? payload.attempt;
+    if (number >= latestAttempt) {
+      latestAttempt = number;
       showRunState(payload.state);
     }
   }
@@ -195,26 +280,7 @@
     stateBadge.textContent = state;
     stateBadge.className = `badge state-${state}`;
     cancelButton.hidden = !page.cancellableStates.includes(state);
-  }
-
-  function updateAttemptRow(payload) {
-    let row = attemptRows.querySelector(`tr[data-attempt="${payload.attempt}"]`);
-    if (!row) {
-      row = document.createElement("tr");
-      row.dataset.attempt = payload.attempt;
-      for (const className of ["attempt-number", "attempt-state", "attempt-exit-code", "attempt-reason"]) {
-        row.appendChild(document.createElement("td")).className = className;
-      }
-      row.querySelector(".attempt-number").textContent = payload.attempt;
-      row.querySelector(".attempt-reason").appendChild(document.createElement("pre"));
-      attemptRows.appendChild(row);
-    }
-    const badge = document.createElement("span");
-    badge.className = `badge state-${payload.state}`;
-    badge.textContent = payload.state;
-    row.querySelector(".attempt-state").replaceChildren(badge);
-    if ("exit_code" in payload) row.querySelector(".attempt-exit-code").textContent = payload.exit_code ?? "";
-    if (payload.reason) row.querySelector(".attempt-reason pre").textContent = payload.reason;
+    showRestoreAvailability();
   }
 
   function formatLog(event) {
@@ -371,12 +437,462 @@
     requestFrame();
   }
 
+  // ---- attempts, checkpoints and resilience, from the API ----
+
+  let detailsTimer = null;
+  let refreshing = null;
+  let refreshAgain = false;
+
+  // Events come in bursts (a restart is a failed state, a queued state and checkpoint events): one
+  // refresh follows each burst, and calls while one is running fold into one more round.
+  function scheduleDetails() {
+    if (detailsTimer !== null) return;
+    detailsTimer = setTimeout(() => {
+      detailsTimer = null;
+      refreshDetails();
+    }, DETAILS_DELAY_MS);
+  }
+
+  function refreshDetails() {
+    if (refreshing) {
+      refreshAgain = true;
+      return refreshing;
+    }
+    refreshing = (async () => {
+      try {
+        do {
+          refreshAgain = false;
+          const [detail, checkpoints, resilience] = await Promise.all([
+            getJson(page.apiUrl),
+            getJson(page.urls.checkpoints),
+            getJson(page.urls.resilience),
+          ]);
+          showDetails(detail, checkpoints, resilience);
+        } while (refreshAgain);
+      } catch (error) {
+        showNotice(`Could not load attempts and checkpoints (${error.message}); retrying.`);
+        setTimeout(scheduleDetails, RESYNC_RETRY_MS);
+      } finally {
+        refreshing = null;
+      }
+    })();
+    return refreshing;
+  }
+
+  function showDetails(detail, checkpoints, resilience) {
+    run.detail = detail;
+    run.checkpoints = checkpoints;
+    run.resilience = resilience;
+    const latest = detail.attempts[detail.attempts.length - 1];
+    // The API can know of an attempt no event has brought yet (one restored from this page): the
+    // run's state is that attempt's, so a quiet socket sends the page to the events API while it runs.
+    if (latest.number > latestAttempt) {
+      latestAttempt = latest.number;
+      showRunState(latest.state);
+    }
+    attemptRows.replaceChildren(...detail.attempts.map(attemptRow));
+    followWorldSize(latest.world_size);
+    completeTokenSeries();
+    showCheckpoints(checkpoints);
+    showResilience(resilience);
+    showRestoreAvailability();
+    showTarget();
+  }
+
+  function attemptRow(attempt) {
+    const row = document.createElement("tr");
+    row.dataset.attempt = attempt.number;
+    const cell = (className) => {
+      const element = row.appendChild(document.createElement("td"));
+      element.className = className;
+      return element;
+    };
+    cell("attempt-number").textContent = attempt.number;
+    cell("attempt-state").appendChild(badge(attempt.state));
+    const trigger = cell("attempt-trigger");
+    trigger.append(attempt.trigger);
+    if (attempt.restored_from !== null) {
+      trigger.append(" · ", link(checkpointHref(attempt.restored_from), `from step ${attempt.restored_from_step}`));
+    }
+    if (attempt.trigger_note) trigger.appendChild(paragraph(attempt.trigger_note, "note"));
+    cell("attempt-exit-code").textContent = attempt.exit_code ?? "";
+    const retryable = { true: "retryable", false: "not retryable" }[attempt.retryable] ?? "retryable unknown";
+    cell("attempt-failure").textContent = attempt.failure_kind ? `${attempt.failure_kind} · ${retryable}` : "";
+    cell("attempt-decision").textContent = attempt.restart_decision;
+    cell("attempt-reason").appendChild(document.createElement("pre")).textContent = attempt.failure_reason;
+    return row;
+  }
+
+  // A checkpoint of this run is a row below; the one a fork started from is on its run's page.
+  function checkpointHref(checkpointId) {
+    const anchor = `#checkpoint-${checkpointId}`;
+    return checkpointId === run.detail.forked_from ? `/runs/${run.detail.forked_from_run}/${anchor}` : anchor;
+  }
+
+  // The rank selector offers the ranks of the latest attempt (a restore may change the world size).
+  function followWorldSize(worldSize) {
+    if (rankSelect.options.length === worldSize) return;
+    const selected = Number(rankSelect.value) < worldSize ? rankSelect.value : "0";
+    rankSelect.replaceChildren(
+      ...Array.from({ length: worldSize }, (_, rank) => new Option(String(rank), String(rank))),
+    );
+    rankSelect.value = selected;
+    showRank();
+  }
+
+  function showCheckpoints(checkpoints) {
+    const stepOf = new Map(checkpoints.map((checkpoint) => [checkpoint.id, checkpoint.step]));
+    checkpointRows.replaceChildren(...checkpoints.map((checkpoint) => checkpointRow(checkpoint, stepOf)));
+    document.getElementById("checkpoints-table").hidden = checkpoints.length === 0;
+    document.getElementById("checkpoints-empty").hidden = checkpoints.length > 0;
+    if (restoring) {
+      const current = checkpoints.find((checkpoint) => checkpoint.id === restoring.id);
+      if (current && current.state !== "committed") closeRestore();
+      else if (current) checkpointRows.querySelector(`tr[data-checkpoint="${current.id}"]`).classList.add("restoring");
+    }
+  }
+
+  function checkpointRow(checkpoint, stepOf) {
+    const row = document.createElement("tr");
+    row.id = `checkpoint-${checkpoint.id}`;
+    Object.assign(row.dataset, {
+      checkpoint: checkpoint.id,
+      step: checkpoint.step,
+      attempt: checkpoint.attempt,
+      state: checkpoint.state,
+    });
+    const cell = (className) => {
+      const element = row.appendChild(document.createElement("td"));
+      element.className = className;
+      return element;
+    };
+    cell("checkpoint-step").textContent = checkpoint.step;
+    cell("checkpoint-attempt").appendChild(link(`#attempt-${checkpoint.attempt}`, `attempt ${checkpoint.attempt}`));
+    const state = cell("checkpoint-state");
+    state.appendChild(badge(checkpoint.state));
+    if (checkpoint.problem) state.appendChild(paragraph(checkpoint.problem, "note"));
+    cell("checkpoint-size").textContent = formatBytes(checkpoint.bytes);
+    cell("checkpoint-loss").textContent = checkpoint.loss === null ? "" : checkpoint.loss.toFixed(4);
+    const stall = cell("checkpoint-stall");
+    if (checkpoint.stall_s !== null) stall.textContent = formatSeconds(checkpoint.stall_s);
+    if (checkpoint.save_s !== null) stall.title = `committed ${formatSeconds(checkpoint.save_s)} after the save began`;
+    const saved = cell("checkpoint-saved").appendChild(document.createElement("time"));
+    saved.dateTime = checkpoint.committed_at;
+    saved.textContent = new Date(checkpoint.committed_at).toLocaleString("sv-SE");
+    const layout = cell("checkpoint-layout");
+    layout.textContent = layoutText(checkpoint.layout);
+    layout.title = `${count(checkpoint.world_size, "rank")}; ${checkpoint.path}`;
+    const parent = cell("checkpoint-parent");
+    if (stepOf.has(checkpoint.parent)) {
+      parent.appendChild(link(`#checkpoint-${checkpoint.parent}`, `step ${stepOf.get(checkpoint.parent)}`));
+    } else if (checkpoint.parent !== null && checkpoint.parent === run.detail.forked_from) {
+      const text = `run ${run.detail.forked_from_run} step ${run.detail.forked_from_step}`;
+      parent.appendChild(link(checkpointHref(checkpoint.parent), text));
+    }
+    const action = cell("checkpoint-action");
+    if (checkpoint.state === "committed") {
+      const button = action.appendChild(document.createElement("button"));
+      button.type = "button";
+      button.className = "restore-button";
+      button.textContent = "Restore…";
+      button.addEventListener("click", () => openRestore(checkpoint));
+    }
+    return row;
+  }
+
+  // "dp_replicate 2 · tp 2": the degrees the layout uses, or one rank.
+  function layoutText(layout) {
+    const degrees = DEGREES.filter((degree) => layout[degree] > 1).map((degree) => `${degree} ${layout[degree]}`);
+    if (layout.pp > 1 && layout.pp_schedule) degrees.push(layout.pp_schedule);
+    return degrees.join(" · ") || "1 rank";
+  }
+
+  // ---- links from elsewhere (the lineage page) to a checkpoint or an attempt row ----
+
+  let scrolledTo = "";
+
+  function targetOf(hash) {
+    const match = /^#(checkpoint|attempt)-(\d+)$/.exec(hash);
+    return match ? { kind: match[1], id: match[2] } : null;
+  }
+
+  function showTarget() {
+    const target = targetOf(location.hash);
+    for (const row of document.querySelectorAll("tr.targeted")) row.classList.remove("targeted");
+    if (!target) return;
+    const row = document.querySelector(`tr[data-${target.kind}="${target.id}"]`);
+    if (!row) return;
+    row.classList.add("targeted");
+    if (scrolledTo !== location.hash) {
+      scrolledTo = location.hash;
+      row.scrollIntoView({ block: "center" });
+    }
+  }
+
+  // ---- restoring a checkpoint ----
+
+  const restoreErrors = document.getElementById("restore-errors");
+  const restoreName = document.getElementById("restore-name");
+  const restoreSteps = document.getElementById("restore-steps");
+  const restoreBusy = document.getElementById("restore-busy");
+  const layoutInputs = [...restoreForm.querySelectorAll("[data-path]")];
+  const PARALLEL_PREFIX = "parallel.";
+  let restoring = null;
+  let launching = false;
+
+  function restoreMode() {
+    return restoreForm.querySelector('input[name="restore-mode"]:checked').value;
+  }
+
+  function runIsActive() {
+    return !page.terminalStates.includes(run.state);
+  }
+
+  // The layout as saved, field by field; what the saved layout lacks shows the schema default.
+  function openRestore(checkpoint) {
+    restoring = checkpoint;
+    document.getElementById("restore-title").textContent =
+      `Restore step ${checkpoint.step} (attempt ${checkpoint.attempt}, ${layoutText(checkpoint.layout)})`;
+    for (const input of layoutInputs) {
+      const saved = checkpoint.layout[input.dataset.path.slice(PARALLEL_PREFIX.length)];
+      input.value = saved === undefined || saved === null ? input.dataset.default : String(saved);
+      input.dataset.saved = input.value;
+    }
+    restoreSteps.value = "";
+    restoreName.value = "";
+    restoreName.placeholder = `${run.detail.name} from step ${checkpoint.step}`;
+    // A new attempt needs the run to be finished; while it is not, forking is what can be done.
+    const mode = runIsActive() ? "fork" : "attempt";
+    restoreForm.querySelector(`input[name="restore-mode"][value="${mode}"]`).checked = true;
+    showRestoreErrors({});
+    for (const row of checkpointRows.querySelectorAll("tr.restoring")) row.classList.remove("restoring");
+    checkpointRows.querySelector(`tr[data-checkpoint="${checkpoint.id}"]`).classList.add("restoring");
+    restoreForm.hidden = false;
+    showWorldSize();
+    showRestoreAvailability();
+    restoreForm.scrollIntoView({ block: "nearest" });
+  }
+
+  function closeRestore() {
+    restoring = null;
+    restoreForm.hidden = true;
+    for (const row of checkpointRows.querySelectorAll("tr.restoring")) row.classList.remove("restoring");
+  }
+
+  function showRestoreAvailability() {
+    const refused = restoreMode() === "attempt" && runIsActive();
+    const why = refused
+      ? `Attempt ${latestAttempt} is ${run.state}: a new attempt can start once it has finished ` +
+        "(or been cancelled); a fork can start now."
+      : "";
+    restoreLaunch.disabled = launching || refused;
+    restoreLaunch.title = why;
+    restoreBusy.textContent = why;
+    restoreBusy.hidden = !refused;
+    document.getElementById("restore-name-field").hidden = restoreMode() !== "fork";
+  }
+
+  function showWorldSize() {
+    const degree = (name) => {
+      const value = Number(restoreForm.querySelector(`[data-path="${PARALLEL_PREFIX}${name}"]`).value);
+      return Number.isInteger(value) && value >= 1 ? value : null;
+    };
+    const degrees = ["pp", "dp_replicate", "dp_shard", "cp", "tp"].map(degree);
+    const output = document.getElementById("restore-world-size");
+    if (degrees.includes(null)) {
+      output.textContent = "";
+      return;
+    }
+    const worldSize = degrees.reduce((product, value) => product * value, 1);
+    const saved = restoring ? `, saved on ${restoring.world_size}` : "";
+    output.textContent = `(${count(worldSize, "rank")}${saved})`;
+    output.dataset.worldSize = worldSize;
+  }
+
+  // Only the fields the user changed go: the rest of the saved config's parallel section stays as it was.
+  function changedLayout() {
+    const parallel = {};
+    for (const input of layoutInputs) {
+      if (input.value === input.dataset.saved) continue;
+      parallel[input.dataset.path.slice(PARALLEL_PREFIX.length)] = jsonValue(input);
+    }
+    return parallel;
+  }
+
+  // Numbers go as numbers and switches as booleans; what does not parse goes as typed, so the
+  // schema answers it with its own message.
+  function jsonValue(input) {
+    const text = input.value.trim();
+    if (input.dataset.type === "bool") return text === "true";
+    return input.dataset.type === "number" ? numberOrText(text) : text;
+  }
+
+  function numberOrText(text) {
+    const number = Number(text);
+    return text !== "" && Number.isFinite(number) ? number : text;
+  }
+
+  async function launchRestore(event) {
+    event.preventDefault();
+    const mode = restoreMode();
+    const body = { checkpoint: restoring.id, mode, parallel: changedLayout() };
+    const steps = restoreSteps.value.trim();
+    if (steps) body.steps = numberOrText(steps);
+    if (mode === "fork" && restoreName.value.trim()) body.name = restoreName.value.trim();
+    launching = true;
+    showRestoreAvailability();
+    try {
+      const response = await loom.post(page.urls.restore, body);
+      if (response.status === 201) {
+        const created = await response.json();
+        if (created.forked) {
+          window.location.assign(`/runs/${created.run}/`);
+          return;
+        }
+        closeRestore();
+        scheduleDetails();
+      } else if (response.status === 400) {
+        showRestoreErrors((await response.json()).errors);
+      } else {
+        showRestoreErrors({ restore: `HTTP ${response.status}` });
+      }
+    } catch (error) {
+      showRestoreErrors({ restore: error.message });
+    } finally {
+      launching = false;
+      showRestoreAvailability();
+    }
+  }
+
+  // Each error beside the input it names ("config.parallel.tp"); what names no input (the model's
+  // sequence length, say, which a new tp must divide) at the top of the form.
+  function showRestoreErrors(errors) {
+    for (const element of restoreForm.querySelectorAll(".field-error")) {
+      element.textContent = "";
+      element.hidden = true;
+    }
+    for (const element of restoreForm.querySelectorAll(".has-error")) element.classList.remove("has-error");
+    const unplaced = [];
+    for (const [field, message] of Object.entries(errors)) {
+      const element = restoreForm.querySelector(`.field-error[data-for="${field}"]`);
+      if (!element) {
+        unplaced.push(`${field}: ${message}`);
+        continue;
+      }
+      element.textContent = message;
+      element.hidden = false;
+      element.closest(".input")?.classList.add("has-error");
+    }
+    restoreErrors.replaceChildren(...unplaced.map((text) => listItem(text)));
+    restoreErrors.hidden = unplaced.length === 0;
+  }
+
+  // ---- resilience ----
+
+  function showResilience(figures) {
+    const setText = (id, text) => (document.getElementById(id).textContent = text);
+    setText("resilience-restarts", String(figures.restarts));
+    setText("resilience-failed", String(figures.failed_attempts));
+    setText("resilience-ettr", figures.ettr === null ? "–" : `${(figures.ettr * 100).toFixed(1)} %`);
+    setText("resilience-rpo", figures.rpo_steps_mean === null ? "–" : `${figures.rpo_steps_mean.toFixed(1)} steps`);
+    setText("resilience-rto", figures.rto_s_mean === null ? "–" : formatSeconds(figures.rto_s_mean));
+    const stall = figures.checkpoint_stall_s;
+    setText(
+      "resilience-stall",
+      stall.saves
+        ? `mean ${formatSeconds(stall.mean)} · max ${formatSeconds(stall.max)} (${count(stall.saves, "save")})`
+        : "no save yet",
+    );
+    setText("resilience-advice", adviceText(figures));
+    const rows = figures.failures.map((failure) => {
+      const row = document.createElement("tr");
+      row.dataset.failedAttempt = failure.attempt;
+      const cells = [
+        `attempt ${failure.attempt}`,
+        failure.kind || "unclassified",
+        failure.last_step,
+        failure.resumed_step,
+        failure.rpo_steps,
+        failure.rto_s === null ? "" : failure.rto_s.toFixed(1),
+      ];
+      for (const text of cells) row.appendChild(document.createElement("td")).textContent = text;
+      return row;
+    });
+    document.getElementById("failure-rows").replaceChildren(...rows);
+    document.getElementById("failures-table").hidden = rows.length === 0;
+  }
+
+  // The configured save interval beside the one Young and Daly's formula suggests from this run's
+  // own failures and save cost.
+  function adviceText(figures) {
+    const steps = figures.configured_interval_steps;
+    let configured = "not saving by step (checkpoint.interval_steps is 0)";
+    if (steps) {
+      configured = `saving every ${count(steps, "step")}`;
+      if (figures.configured_interval_s !== null) configured += ` ≈ ${formatSeconds(figures.configured_interval_s)}`;
+    }
+    const advice = figures.young_daly;
+    if (advice === null) {
+      const why = figures.failed_attempts
+        ? "no checkpoint saved yet: no save cost to advise from"
+        : "no failure yet: no MTBF to advise from";
+      return `${configured}; ${why}`;
+    }
+    const suggestion =
+      advice.interval_steps === null
+        ? `every ${formatSeconds(advice.interval_s)}`
+        : `every ${count(advice.interval_steps, "step")} (${formatSeconds(advice.interval_s)})`;
+    return (
+      `${configured}; Young/Daly √(2·MTBF·C) with MTBF ${formatSeconds(advice.mtbf_s)}, ` +
+      `C ${formatSeconds(advice.save_cost_s)} suggests ${suggestion}`
+    );
+  }
+
   // ---- small helpers ----
 
   async function getJson(url) {
     const response = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     return response.json();
+  }
+
+  function badge(state) {
+    const element = document.createElement("span");
+    element.className = `badge state-${state}`;
+    element.textContent = state;
+    return element;
+  }
+
+  function link(href, text) {
+    const element = document.createElement("a");
+    element.href = href;
+    element.textContent = text;
+    return element;
+  }
+
+  function paragraph(text, className) {
+    const element = document.createElement("p");
+    element.className = className;
+    element.textContent = text;
+    return element;
+  }
+
+  function listItem(text) {
+    const item = document.createElement("li");
+    item.textContent = text;
+    return item;
+  }
+
+  function count(number, noun) {
+    return `${number} ${noun}${number === 1 ? "" : "s"}`;
+  }
+
+  // 26 s, 4.1 s, 0.30 s, 12 ms.
+  function formatSeconds(seconds) {
+    if (seconds >= 10) return `${seconds.toFixed(0)} s`;
+    if (seconds >= 1) return `${seconds.toFixed(1)} s`;
+    if (seconds >= 0.01) return `${seconds.toFixed(2)} s`;
+    return `${(seconds * 1000).toFixed(1)} ms`;
   }
 
   function showNotice(text) {
@@ -394,7 +910,12 @@
     cancelButton.addEventListener("click", cancelRun);
     loadCapturedButton.addEventListener("click", loadCapturedLogs);
     rankSelect.addEventListener("change", showRank);
-    await resync();
+    restoreForm.addEventListener("submit", launchRestore);
+    restoreForm.addEventListener("input", showWorldSize);
+    restoreForm.addEventListener("change", showRestoreAvailability);
+    document.getElementById("restore-close").addEventListener("click", closeRestore);
+    window.addEventListener("hashchange", showTarget);
+    await Promise.all([refreshDetails(), resync()]);
     connect();
     setInterval(resyncWhenQuiet, QUIET_SOCKET_MS);
   }

@@ -6,4 +6,5 @@ urlpatterns = [
     path("api/", api.urls),
     path("", include("loom.runs.page_urls")),
     path("", include("loom.planner.page_urls")),
+    path("", include("loom.checkpoints.page_urls")),
 ]

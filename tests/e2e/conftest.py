@@ -10,7 +10,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
 
 
 @pytest.fixture
-def browser(live_platform, platform_user):
+def browser(platform_server, platform_user):
     # Playwright's sync API keeps an event loop in this thread, and Django refuses ORM calls under
     # one: the platform and the user are set up before the browser starts and torn down after it.
     with sync_playwright() as playwright:
@@ -20,14 +20,15 @@ def browser(live_platform, platform_user):
 
 
 @pytest.fixture
-def open_logged_in(live_platform, platform_user, browser):
+def open_logged_in(platform_server, platform_user, browser):
     """open_logged_in(path, viewport): a new page that asks for `path`, is sent to the login form,
-    logs in there as the platform user and lands back on `path`."""
+    logs in there as the platform user and lands back on `path`. Only the web platform is started:
+    a test whose runs must train asks for `live_platform` (the Celery worker) too."""
     user, password = platform_user
     contexts = []
 
     def open_page(path: str, viewport: dict) -> Page:
-        context = browser.new_context(base_url=live_platform.url, viewport=viewport)
+        context = browser.new_context(base_url=platform_server.url, viewport=viewport)
         contexts.append(context)
         page = context.new_page()
         page.goto(path)
@@ -35,7 +36,7 @@ def open_logged_in(live_platform, platform_user, browser):
         page.fill("#id_username", user.username)
         page.fill("#id_password", password)
         page.click("button:has-text('Log in')")
-        expect(page).to_have_url(f"{live_platform.url}{path}")
+        expect(page).to_have_url(f"{platform_server.url}{path}")
         return page
 
     yield open_page

@@ -23,7 +23,7 @@ LIVE_POINTS_FROM_EVERY_RANK = """(ranks) => {
 
 
 @pytest.fixture
-def page(open_logged_in):
+def page(live_platform, open_logged_in):
     """The run list, logged in through the login form."""
     return open_logged_in("/", {"width": 1280, "height": 1100})
 
@@ -87,7 +87,10 @@ def test_a_run_trains_live_on_the_page_to_success(page):
     expect(page.locator("#cancel-run")).to_be_hidden()
     expect(page.locator('tr[data-attempt="1"] .attempt-state')).to_have_text("succeeded")
     expect(page.locator('tr[data-attempt="1"] .attempt-exit-code')).to_have_text("0")
-    assert page.evaluate("document.querySelectorAll('#loss-chart .scatterlayer .trace').length") == 2
+    # One trace per attempt, the loss every rank agreed on (its mean over the ranks holding one).
+    assert page.evaluate("document.querySelectorAll('#loss-chart .scatterlayer .trace').length") == 1
+    assert page.evaluate("document.getElementById('loss-chart').data.map((trace) => trace.name)") == ["attempt 1"]
+    assert [step for step, _ in page.evaluate("window.loomRun.series.loss[1]")] == list(range(1, steps + 1))
 
     page.select_option("#log-rank", "1")
     expect(page.locator("#live-log")).to_contain_text(f"INFO trainer.train: training {steps} steps")

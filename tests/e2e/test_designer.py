@@ -209,7 +209,7 @@ def test_launch_refuses_what_the_trainer_cannot_run_beside_the_field(designer):
     wait_for_estimate(page, "estimate.config.model.experts === 1")
 
 
-def test_launch_creates_the_run_with_its_estimate_and_its_page_compares_them(designer):
+def test_launch_creates_the_run_with_its_estimate_and_its_page_compares_them(live_platform, designer):
     page = designer
     page.select_option("#design-preset", "loom-tiny")
     layout = {

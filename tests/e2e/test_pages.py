@@ -188,7 +188,7 @@ def test_missing_name_is_reported_on_the_name_field(logged_in):
 def test_service_error_keys_map_to_their_inputs_or_to_the_top_of_the_form():
     assert input_for("config.model.heads") == "model.heads"
     assert input_for("name") == "name"
-    assert input_for("config.checkpoint.keep_last") is None
+    assert input_for("config.checkpoint.resume") is None
     assert input_for("config") is None
 
 

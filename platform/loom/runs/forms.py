@@ -38,6 +38,9 @@ CONFIG_LABELS = {
     "optimizer.warmup_steps": "Warmup steps",
     "data.micro_batch": "Micro-batch (sequences per data-parallel rank)",
     "data.corpus_bytes": "Corpus bytes",
+    "checkpoint.interval_steps": "Save a checkpoint every (steps)",
+    "checkpoint.keep_last": "Checkpoints kept",
+    "restart.max_restarts": "Automatic restarts",
 }
 # The model's shape and the parallel layout as every page that designs a run asks for them.
 MODEL_SHAPE_PATHS = ["model.layers", "model.dim", "model.heads", "model.kv_heads", "model.ffn", "model.seq_len"]
@@ -60,6 +63,7 @@ CONFIG_SECTIONS = [
     ("Parallelism", PARALLEL_PATHS),
     ("Optimizer", ["optimizer.lr", "optimizer.warmup_steps"]),
     ("Data", ["data.micro_batch", "data.corpus_bytes"]),
+    ("Checkpoints", ["checkpoint.interval_steps", "checkpoint.keep_last", "restart.max_restarts"]),
 ]
 
 CONFIG_PATHS = frozenset(path for _, paths in CONFIG_SECTIONS for path in paths)
@@ -149,3 +153,25 @@ def input_for(error_key: str) -> str | None:
         return "name"
     path = error_key.removeprefix("config.")
     return path if path in CONFIG_PATHS else None
+
+
+def restore_inputs() -> list[dict]:
+    """The run page's restore form: the layout inputs (the rest of the parallel section stays as
+    saved), each with its label, help, choices (a select), schema default, which run.js fills in where
+    a checkpoint's saved layout lacks the field, and the JSON type its text is sent as."""
+    inputs = []
+    for path in PARALLEL_PATHS:
+        field = config_field(path)
+        choices = choices_of(field)
+        inputs.append(
+            {
+                "path": path,
+                "id": "restore-" + path.replace(".", "-"),
+                "label": CONFIG_LABELS[path],
+                "help": field.description,
+                "default": form_value(field.default),
+                "options": choices,
+                "type": "bool" if field.annotation is bool else "text" if choices else "number",
+            }
+        )
+    return inputs

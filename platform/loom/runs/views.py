@@ -7,7 +7,7 @@ from django.urls import reverse
 from trainer.config import world_size_of
 
 from . import services, states
-from .forms import NewRunForm
+from .forms import NewRunForm, restore_inputs
 
 
 @login_required
@@ -37,13 +37,19 @@ def run_detail(request, run_id: int):
         "ranks": world_size_of(latest.config),
         "attempt": latest.number,
         "apiUrl": reverse("api:run_detail", args=[run.pk]),
+        "urls": {
+            "checkpoints": reverse("api:run_checkpoints", args=[run.pk]),
+            "resilience": reverse("api:run_resilience", args=[run.pk]),
+            "restore": reverse("api:restore", args=[run.pk]),
+        },
         "socketPath": f"/ws/runs/{run.pk}/",
         "terminalStates": sorted(states.TERMINAL),
         "cancellableStates": sorted(states.ACTIVE - {states.CANCELLING}),
     }
     context = {
         "run": run,
-        "attempts": run.attempts.all(),
+        "attempts": run.attempts.select_related("restored_from"),
+        "restore_inputs": restore_inputs(),
         "ranks": range(page["ranks"]),
         "cancellable": run.state in page["cancellableStates"],
         "page": page,
