@@ -65,7 +65,7 @@
     const maxStep = Math.max(
       1,
       ...data.checkpoints.map((checkpoint) => checkpoint.step),
-      ...data.attempts.map((attempt) => startOf(attempt)),
+      ...data.attempts.map((attempt) => Math.max(startOf(attempt), attempt.last_step ?? 0)),
     );
     const plotWidth = width - LABEL_WIDTH - RIGHT_PAD;
     const x = (step) => LABEL_WIDTH + (step / maxStep) * plotWidth;
@@ -80,7 +80,8 @@
         const rowTop = top + LANE_PAD + index * ROW_HEIGHT;
         const own = data.checkpoints.filter((checkpoint) => checkpoint.attempt === attempt.id);
         const start = startOf(attempt);
-        const end = Math.max(start, ...own.map((checkpoint) => checkpoint.step));
+        // The last step it trained, which may lie past its last checkpoint (a crash, a run without saves).
+        const end = Math.max(start, attempt.last_step ?? 0, ...own.map((checkpoint) => checkpoint.step));
         const row = {
           attempt,
           checkpoints: own,

@@ -65,6 +65,7 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_the_curve_continues
     lineage = client.get(f"/api/runs/{killed.pk}/lineage").json()
     attempts = {node["number"]: node for node in lineage["attempts"]}
     assert attempts[2]["restored_from"] == step5.pk and attempts[1]["failure_kind"] == "killed"
+    assert (attempts[1]["last_step"], attempts[2]["last_step"]) == (6, 20)
     by_id = {node["id"]: node for node in lineage["checkpoints"]}
     assert by_id[step5.pk]["attempt"] == first.pk
     assert {node["step"] for node in lineage["checkpoints"] if node["attempt"] == second.pk} == {10, 15, 20}

@@ -2,10 +2,12 @@
 lineage across runs and attempts, and restored into a new attempt or a forked run."""
 
 from django.db import transaction
+from django.db.models import Max
 
 from loom.runs import services as run_services
 from loom.runs import states
 from loom.runs.models import Attempt, Run
+from loom.telemetry.models import Event
 from trainer.config import ConfigError, parse_config
 
 from .models import COMMITTED, CORRUPT, DELETED, Checkpoint
@@ -84,17 +86,20 @@ def lineage(run: Run) -> dict:
     family = family_of(run)
     attempts = Attempt.objects.filter(run__in=family).order_by("run_id", "number")
     checkpoints = Checkpoint.objects.filter(run__in=family).order_by("run_id", "step", "id")
+    trained = Event.objects.filter(run__in=family, kind="metric").values("attempt_id").annotate(last=Max("step"))
+    last_steps = {row["attempt_id"]: row["last"] for row in trained}
     return {
         "run": run.pk,
         "runs": [{"id": r.pk, "name": r.name, "state": r.state, "forked_from": r.forked_from_id} for r in family],
-        "attempts": [attempt_node(attempt) for attempt in attempts],
+        "attempts": [attempt_node(attempt, last_steps.get(attempt.pk)) for attempt in attempts],
         "checkpoints": [checkpoint_node(checkpoint) for checkpoint in checkpoints],
     }
 
 
-def attempt_node(attempt: Attempt) -> dict:
+def attempt_node(attempt: Attempt, last_step: int | None) -> dict:
     return {
         "id": attempt.pk,
+        "last_step": last_step,
         "run": attempt.run_id,
         "number": attempt.number,
         "state": attempt.state,
