@@ -162,3 +162,23 @@ def test_concurrent_batches_from_many_ranks_are_each_stored_once(platform_user):
         assert steps == list(range(1, batches_per_rank * 2 + 1))
     seqs = list(run.events.order_by("seq").values_list("seq", flat=True))
     assert seqs == list(range(1, len(seqs) + 1))
+
+
+def test_bare_nan_and_infinity_are_stored_as_the_strings_the_trainer_sends(client, platform_user):
+    run, attempt, token = claimed_run(platform_user[0])
+    # What Python's json.dumps writes for these by default: not JSON, but common.
+    payload = '{"loss": NaN, "grad_norm": Infinity, "lr": -Infinity}'
+    event = f'{{"kind": "metric", "time": 1.0, "payload": {payload}}}'
+    body = f'{{"attempt": {attempt.pk}, "rank": 0, "seq": 0, "events": [{event}]}}'
+    response = post(client, body, token)
+    assert response.status_code == 200, response.content
+    stored = run.events.get(kind="metric").payload
+    assert stored == {"loss": "NaN", "grad_norm": "Infinity", "lr": "-Infinity"}
+
+
+def test_a_non_finite_event_time_is_a_field_error(client, platform_user):
+    run, attempt, token = claimed_run(platform_user[0])
+    body = '{"attempt": %d, "rank": 0, "seq": 0, "events": [{"kind": "metric", "time": NaN, "payload": {}}]}'
+    response = post(client, body % attempt.pk, token)
+    assert response.status_code == 400 and "events.0.time" in response.json()["errors"]
+    assert run.events.filter(kind="metric").count() == 0

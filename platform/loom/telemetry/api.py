@@ -18,7 +18,7 @@ class EventIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["metric", "heartbeat", "comm", "log", "checkpoint", "state"]
-    time: float = Field(description="Unix seconds when the event was emitted at its source.")
+    time: float = Field(allow_inf_nan=False, description="Unix seconds when the event was emitted at its source.")
     step: int | None = None
     payload: dict = Field(default_factory=dict)
 
@@ -75,7 +75,9 @@ def _parse(request) -> BatchIn:
     if len(body) > limit:
         raise too_large
     try:
-        document = json.loads(body)
+        # Bare NaN/Infinity (not JSON, but what json.dumps writes by default) are kept as the strings the
+        # trainer's client sends for them: a diverging loss is a measurement, and JSONB refuses bare NaN.
+        document = json.loads(body, parse_constant=str)
     except (ValueError, UnicodeDecodeError):
         raise IngestRejected(400, "body is not JSON") from None
     if isinstance(document, dict) and len(document.get("events") or []) > settings.LOOM_INGEST_MAX_EVENTS:
