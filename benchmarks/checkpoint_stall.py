@@ -126,7 +126,7 @@ def worker(args: argparse.Namespace) -> None:
     }
     step, loss = 0, 0.0
 
-    def train_step(in_flight) -> tuple[float, bool]:
+    def train_step(in_flight=None, checkpointer: Checkpointer | None = None) -> tuple[float, bool]:
         """One step as trainer/train.py takes it; also whether a save is still in flight on any rank."""
         nonlocal step, loss
         step += 1
@@ -134,6 +134,8 @@ def worker(args: argparse.Namespace) -> None:
         inputs, targets = sampler.batch(step, mesh.dp_rank, config.parallel.data_parallel)
         optimizer.zero_grad(set_to_none=True)
         local_loss = parallel_model.forward_backward(inputs, targets)
+        if checkpointer is not None:
+            checkpointer.before_update()
         optimizer.step()
         pending = in_flight is not None and not in_flight.done()
         shared = torch.tensor([local_loss.item(), float(pending)], dtype=torch.float64)
@@ -150,7 +152,7 @@ def worker(args: argparse.Namespace) -> None:
         finished.add_done_callback(lambda _: finished_at.append(time.perf_counter()))
         in_flight_steps = []
         while True:
-            elapsed, still_in_flight = train_step(finished)
+            elapsed, still_in_flight = train_step(finished, checkpointer)
             in_flight_steps.append(elapsed)
             if not still_in_flight:
                 break

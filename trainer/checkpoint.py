@@ -30,10 +30,11 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ MANIFEST_FORMAT = 1
 COMMITTED_NAME = re.compile(r"^step-(\d+)$")
 HASH_CHUNK_BYTES = 1 << 20
 DEFAULT_DIRECTORY = "checkpoints"
+# How long a commit waits for training to reach its next optimizer step before reporting the stall so far.
+STALL_KNOWN_TIMEOUT_S = 300.0
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -330,7 +333,11 @@ class PendingSave:
     started: float
     # DCP's future: done on a rank once every rank's files are written (its finish step gathers them all).
     upload: Future
+    # Done once this rank's state is copied to host memory: from then on training may change it.
+    staged: Future
     stall_s: float = 0.0
+    # Set once stall_s is final: the copy is done and whatever training waited for it is counted.
+    stall_known: threading.Event = field(default_factory=threading.Event)
     # Rank 0 only: the manifest written and the directory renamed.
     committed: Future | None = None
 
@@ -365,9 +372,11 @@ class Checkpointer:
         self.is_committer = dist.get_rank() == 0
         self.nonce = self._shared_nonce()
         cuda = device.type == "cuda"
-        # Staged copies are cached and reused by the next save, which waits for this one first.
+        # Staged copies are cached and reused by the next save, which waits for this one first. The copy
+        # runs in the background too, beside the next step's forward and backward, which read the
+        # parameters but do not change them; the optimizer step waits for it (before_update).
         staging = StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
         )
         self.stager = DefaultStager(staging) if self.settings.async_save else None
         self.committer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit") if self.is_committer else None
@@ -498,23 +507,29 @@ class Checkpointer:
         return minutes > 0 and time.monotonic() - self.last_save_time >= minutes * 60
 
     def save(self, step: int, loss: float) -> None:
-        """Saves the state after `step`. Training is blocked (stall_s) while the previous save finishes and
-        this one is copied to host memory (pinned on CUDA), or written, with async_save off; rank 0
-        hashes, commits and retires old checkpoints in the background either way."""
+        """Saves the state after `step`. Training is blocked (stall_s) while the previous save finishes, the
+        state dicts are gathered, and then, with async_save, only where the next optimizer step has to
+        wait for the copy to host memory (pinned on CUDA) to end; with async_save off, for the whole
+        write. Rank 0 hashes, commits and retires old checkpoints in the background either way."""
         started = time.perf_counter()
         self.wait()
         temporary = self.root / f"{checkpoint_name(step)}.tmp-{self.nonce}"
         manifest = self._manifest(step, loss)
         writer = dcp.FileSystemWriter(temporary)
+        staged: Future = Future()
         if self.stager is not None:
-            upload = dcp.async_save(
+            response = dcp.async_save(
                 self.state, storage_writer=writer, process_group=self.group, async_stager=self.stager
             )
+            upload, staged = response.upload_completion, response.staging_completion
         else:
             upload = Future()
             upload.set_result(dcp.save(self.state, storage_writer=writer, process_group=self.group))
-        pending = PendingSave(step, temporary, self.root / checkpoint_name(step), manifest, started, upload)
+            staged.set_result(None)
+        pending = PendingSave(step, temporary, self.root / checkpoint_name(step), manifest, started, upload, staged)
         pending.stall_s = time.perf_counter() - started
+        if staged.done():
+            pending.stall_known.set()
         if self.committer is not None:
             pending.committed = self.committer.submit(self._commit, pending)
         self.pending = pending
@@ -528,9 +543,24 @@ class Checkpointer:
             self.save(last_step, loss)
         self.wait()
 
+    def before_update(self) -> None:
+        """Call before the optimizer changes the state: waits for the pending save's copy to host memory,
+        counting the wait as stall."""
+        pending = self.pending
+        if pending is None or pending.stall_known.is_set():
+            return
+        started = time.perf_counter()
+        try:
+            pending.staged.result()
+        except Exception as error:  # the upload fails with it and is reported by wait()
+            logger.error("staging the checkpoint of step %d failed: %s", pending.step, error)
+        pending.stall_s += time.perf_counter() - started
+        pending.stall_known.set()
+
     def wait(self) -> None:
         """Blocks until the pending save is written by every rank and, on rank 0, committed.
         A failed save is reported and training goes on; the next save tries again."""
+        self.before_update()
         pending, self.pending = self.pending, None
         if pending is None:
             return
@@ -554,6 +584,7 @@ class Checkpointer:
         """After the training loop failed: a save that every rank had finished writing is still committed
         and reported by rank 0, so a restart finds it; one still being written cannot finish and is left
         as its temporary directory."""
+        self.before_update()
         pending, self.pending = self.pending, None
         if pending is None or pending.committed is None:
             return
@@ -600,6 +631,8 @@ class Checkpointer:
         """Rank 0, in the background: once every rank has written, seal the checkpoint and retire old ones."""
         pending.upload.result()
         manifest = commit(pending.temporary, pending.final, pending.manifest)
+        # The stall is final once training has passed its next optimizer step (or stopped).
+        pending.stall_known.wait(timeout=STALL_KNOWN_TIMEOUT_S)
         save_s = time.perf_counter() - pending.started
         self.parent = pending.final
         logger.info(

@@ -231,6 +231,7 @@ def train(
                 loss = parallel_model.forward_backward(inputs, targets)
                 loss = faults.diverge(config.faults, step, loss, parameters)
                 norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh)
+                checkpointer.before_update()
                 optimizer.step()
 
                 # One collective per step carries the loss sum, how many ranks hold a loss (only the last
