@@ -141,6 +141,8 @@ LOOM_RUNS_DIR = Path(os.environ.get("LOOM_RUNS_DIR", LOOM_HOME / "runs"))
 LOOM_INGEST_MAX_BYTES = 1024 * 1024
 LOOM_INGEST_MAX_EVENTS = 5000
 LOOM_CANCEL_GRACE_S = float(os.environ.get("LOOM_CANCEL_GRACE_S", "10"))
+# A run's pages get at most one websocket message per this interval from each web process.
+LOOM_FANOUT_INTERVAL_S = float(os.environ.get("LOOM_FANOUT_INTERVAL_S", "0.1"))
 
 LOGGING = {
     "version": 1,

@@ -56,3 +56,18 @@ def test_other_users_socket_is_refused(platform_server, platform_user, other_use
 def test_foreign_origin_is_refused(platform_server, platform_user):
     run, _, _ = claimed_run(platform_user[0])
     assert refused_status(platform_server, run.pk, platform_user[0], origin="http://evil.example") == 403
+
+
+def test_a_burst_of_batches_from_many_ranks_reaches_the_page_as_few_messages(platform_server, platform_user):
+    run, attempt, _ = claimed_run(platform_user[0])
+    ranks = 64
+    with open_socket(platform_server, run.pk, platform_user[0]) as socket:
+        for rank in range(ranks):
+            ingest_batch(attempt, rank, 0, batch(attempt, rank=rank, steps=(1,))["events"])
+        received = []
+        while sum(len(message["events"]) for message in received) < ranks:
+            received.append(json.loads(socket.recv(timeout=10)))
+    events = [event for message in received for event in message["events"]]
+    assert sorted(event["rank"] for event in events) == list(range(ranks))
+    assert [event["seq"] for event in events] == sorted(event["seq"] for event in events)
+    assert len(received) < ranks

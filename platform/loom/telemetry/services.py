@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from loom.accounts.tokens import hash_token
@@ -13,6 +14,7 @@ from loom.checkpoints.services import record_checkpoint_event
 from loom.runs import services as run_services
 from loom.runs.models import Attempt, Run
 
+from .fanout import Coalescer
 from .models import Event, IngestBatch
 
 log = logging.getLogger(__name__)
@@ -111,12 +113,18 @@ def _apply_launcher_state(attempt: Attempt, payload: dict) -> None:
         log.warning("launcher reported state %r for %s, kept %s: %s", target, attempt, attempt.state, error)
 
 
+def send_to_group(run_id: int, events: list[dict]) -> None:
+    async_to_sync(get_channel_layer().group_send)(run_group(run_id), {"type": "run.events", "events": events})
+
+
+# One per process: the platform's settings decide how often a run's pages may hear from it.
+_coalescer = Coalescer(send_to_group, settings.LOOM_FANOUT_INTERVAL_S)
+
+
 def publish(run_id: int, events: list[dict]) -> None:
-    """Fan events out to the run's websocket group. Loss here is repaired by the page's resync."""
-    try:
-        async_to_sync(get_channel_layer().group_send)(run_group(run_id), {"type": "run.events", "events": events})
-    except Exception:
-        log.exception("fan-out of %d events for run %s failed; pages will resync", len(events), run_id)
+    """Fan events out to the run's websocket group, coalesced with others stored within the interval.
+    Loss here is repaired by the page's resync."""
+    _coalescer.add(run_id, events)
 
 
 def events_after(run: Run, after: int, limit: int) -> list[Event]:
