@@ -51,3 +51,13 @@ def test_volumes_agree_within_ten_percent(kind, measured, predicted):
             if nbytes:
                 expected = predicted[kind][source][destination]
                 assert abs(expected - nbytes) <= 0.1 * nbytes, (kind, source, destination, expected, nbytes)
+
+
+def test_without_a_cluster_ranks_fill_nodes_of_the_default_size_and_bytes_do_not_change():
+    from trainer.plan.hardware import ClusterSpec
+    from trainer.plan.traffic import predicted_rows
+
+    config = parse_config({**HYBRID_RUN, "parallel": {"tp": 2, "dp_replicate": 64}}, runnable=False)
+    rows = predicted_rows(config)  # 128 ranks: more than one node may hold
+    assert len(rows) == 128
+    assert rows == predicted_rows(config, ClusterSpec(nodes=16, gpus_per_node=8))

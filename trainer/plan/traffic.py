@@ -62,13 +62,17 @@ def pipeline_sends(layout: Layout, rank: int, message_bytes: float) -> list[Comm
     return sends
 
 
+DEFAULT_GPUS_PER_NODE = ClusterSpec.model_fields["gpus_per_node"].default
+
+
 def predicted_rows(config: RunConfig, cluster: ClusterSpec | None = None) -> list[dict]:
     """One `comm` payload per rank for one step, as the trainer's recorder would send it."""
     layout, parallel = Layout(config), config.parallel
     world = parallel.world_size
     if world > MAX_RANKS:
         raise ValueError(f"the predicted matrix covers up to {MAX_RANKS} ranks; this layout has {world}")
-    cluster = cluster or ClusterSpec(nodes=1, gpus_per_node=max(world, 1))
+    # Bytes do not depend on the cluster; without one, nodes of the default size hold the ranks.
+    cluster = cluster or ClusterSpec(nodes=-(-world // DEFAULT_GPUS_PER_NODE))
     by_pp_rank = {}
     for pp_rank in range(parallel.pp):
         held = rank_holding(layout.model, parallel, pp_rank)
