@@ -183,35 +183,17 @@
   // ---- messages beside fields and in the banner ----
 
   function showMessages(errors, warnings) {
-    for (const element of document.querySelectorAll(".field-error, .field-warning")) {
-      element.textContent = "";
-      element.hidden = true;
-    }
-    for (const element of document.querySelectorAll(".input.has-error")) element.classList.remove("has-error");
+    loom.clearFieldMessages(document);
     const bannerLines = [];
     for (const [field, message] of Object.entries(errors)) {
-      if (!placeMessage(field, message, "field-error")) bannerLines.push(`${field}: ${message}`);
+      if (!loom.placeFieldMessage(document, field, message, "field-error")) bannerLines.push(`${field}: ${message}`);
     }
     for (const { field, message } of warnings) {
-      if (BANNER_WARNING.test(field) || !placeMessage(field, message, "field-warning")) bannerLines.push(message);
+      const placed = !BANNER_WARNING.test(field) && loom.placeFieldMessage(document, field, message, "field-warning");
+      if (!placed) bannerLines.push(message);
     }
-    banner.replaceChildren(...bannerLines.map(listItem));
+    banner.replaceChildren(...bannerLines.map(loom.listItem));
     banner.hidden = bannerLines.length === 0;
-  }
-
-  function placeMessage(field, message, className) {
-    const element = document.querySelector(`.${className}[data-for="${field}"]`);
-    if (!element) return false;
-    element.textContent = element.textContent ? `${element.textContent} ${message}` : message;
-    element.hidden = false;
-    if (className === "field-error") element.closest(".input").classList.add("has-error");
-    return true;
-  }
-
-  function listItem(text) {
-    const item = document.createElement("li");
-    item.textContent = text;
-    return item;
   }
 
   function showStatus(text) {

@@ -1,5 +1,5 @@
 "use strict";
-// What every page script shares: requests to loom's own API.
+// What every page script shares: requests to loom's own API, and messages beside form fields.
 
 window.loom = (() => {
   function cookie(name) {
@@ -19,5 +19,31 @@ window.loom = (() => {
     return fetch(url, request);
   }
 
-  return { post };
+  // A field's messages go in the `.field-error` / `.field-warning` element whose data-for names it
+  // ("config.parallel.tp"), inside the form's container; its `.input` is marked while it has an error.
+  function clearFieldMessages(container) {
+    for (const element of container.querySelectorAll(".field-error, .field-warning")) {
+      element.textContent = "";
+      element.hidden = true;
+    }
+    for (const element of container.querySelectorAll(".input.has-error")) element.classList.remove("has-error");
+  }
+
+  // False where no element names the field, so the caller shows the message somewhere else.
+  function placeFieldMessage(container, field, message, className) {
+    const element = container.querySelector(`.${className}[data-for="${field}"]`);
+    if (!element) return false;
+    element.textContent = element.textContent ? `${element.textContent} ${message}` : message;
+    element.hidden = false;
+    if (className === "field-error") element.closest(".input")?.classList.add("has-error");
+    return true;
+  }
+
+  function listItem(text) {
+    const item = document.createElement("li");
+    item.textContent = text;
+    return item;
+  }
+
+  return { post, clearFieldMessages, placeFieldMessage, listItem };
 })();

@@ -767,23 +767,11 @@
   // Each error beside the input it names ("config.parallel.tp"); what names no input (the model's
   // sequence length, say, which a new tp must divide) at the top of the form.
   function showRestoreErrors(errors) {
-    for (const element of restoreForm.querySelectorAll(".field-error")) {
-      element.textContent = "";
-      element.hidden = true;
-    }
-    for (const element of restoreForm.querySelectorAll(".has-error")) element.classList.remove("has-error");
-    const unplaced = [];
-    for (const [field, message] of Object.entries(errors)) {
-      const element = restoreForm.querySelector(`.field-error[data-for="${field}"]`);
-      if (!element) {
-        unplaced.push(`${field}: ${message}`);
-        continue;
-      }
-      element.textContent = message;
-      element.hidden = false;
-      element.closest(".input")?.classList.add("has-error");
-    }
-    restoreErrors.replaceChildren(...unplaced.map((text) => listItem(text)));
+    loom.clearFieldMessages(restoreForm);
+    const unplaced = Object.entries(errors)
+      .filter(([field, message]) => !loom.placeFieldMessage(restoreForm, field, message, "field-error"))
+      .map(([field, message]) => `${field}: ${message}`);
+    restoreErrors.replaceChildren(...unplaced.map(loom.listItem));
     restoreErrors.hidden = unplaced.length === 0;
   }
 
@@ -875,12 +863,6 @@
     element.className = className;
     element.textContent = text;
     return element;
-  }
-
-  function listItem(text) {
-    const item = document.createElement("li");
-    item.textContent = text;
-    return item;
   }
 
   function count(number, noun) {
