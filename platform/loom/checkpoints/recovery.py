@@ -3,8 +3,8 @@ newest good checkpoint its failed attempt wrote, up to restart.max_restarts time
 
 from pathlib import Path
 
+from loom.runs import services as run_services
 from loom.runs.models import Attempt
-from trainer.config import parse_config
 
 from . import services
 
@@ -45,8 +45,8 @@ def _decide(attempt: Attempt) -> tuple[str, Attempt | None]:
     cause = attempt.failure_reason.splitlines() or ["unknown cause"]
     cause_line = next((line for line in cause if not line.startswith("torchrun exited")), cause[0])
     note = f"automatic restart {used + 1} of {limit} after attempt {attempt.number} failed ({cause_line}), {origin}"
-    config = parse_config(services.resumed_config(attempt.config, resume)).model_dump(mode="json")
-    restart = services.start_attempt(attempt.run, config, Attempt.RESTART, note, source)
+    config = services.resumed_config(attempt.config, resume)
+    restart = run_services.queue_attempt(attempt.run, config, Attempt.RESTART, note, source)
     return f"restarted as attempt {restart.number} {origin}", restart
 
 

@@ -8,7 +8,7 @@ from loom.runs import services as run_services
 from loom.runs import states
 from loom.runs.models import Attempt, Run
 from loom.telemetry.models import Event
-from trainer.config import ConfigError, parse_config
+from trainer.config import ConfigError, parse_config, world_size_of
 
 from .models import COMMITTED, CORRUPT, DELETED, Checkpoint
 
@@ -109,7 +109,7 @@ def attempt_node(attempt: Attempt, last_step: int | None) -> dict:
         "failure_kind": attempt.failure_kind,
         "failure": attempt.failure_reason.splitlines()[:2],
         "restart_decision": attempt.restart_decision,
-        "world_size": parse_config(attempt.config, runnable=False).parallel.world_size,
+        "world_size": world_size_of(attempt.config),
     }
 
 
@@ -137,15 +137,15 @@ def checkpoint_node(checkpoint: Checkpoint) -> dict:
 
 
 def resumed_config(config: dict, resume: str | None, parallel: dict | None = None, steps=None) -> dict:
-    """The config of an attempt that resumes from `resume` (a checkpoint, or a directory of them),
-    in another layout when `parallel` is given. Injected faults rehearse one failure: the attempt
-    that recovers from it runs without them."""
+    """The validated config, defaults filled in, of an attempt that resumes from `resume` (a checkpoint,
+    or a directory of them), in another layout when `parallel` is given; ConfigError says what is wrong.
+    Injected faults rehearse one failure: the attempt that recovers from it runs without them."""
     document = {**config, "checkpoint": {**config.get("checkpoint", {}), "resume": resume}, "faults": {}}
     if parallel is not None:
         document["parallel"] = {**config.get("parallel", {}), **parallel}
     if steps is not None:
         document["steps"] = steps
-    return document
+    return parse_config(document).model_dump(mode="json")
 
 
 def restore(
@@ -183,9 +183,8 @@ def restore(
         errors["name"] = "must not be blank"
     if errors:
         raise run_services.RunInputError(errors)
-    document = resumed_config(checkpoint.attempt.config, checkpoint.path, parallel, steps)
     try:
-        config = parse_config(document).model_dump(mode="json")
+        config = resumed_config(checkpoint.attempt.config, checkpoint.path, parallel, steps)
     except ConfigError as error:
         errors = {f"config.{field}": message for field, message in error.errors.items()}
         raise run_services.RunInputError(errors) from None
@@ -194,29 +193,11 @@ def restore(
     note = f"restored from step {checkpoint.step} (attempt {checkpoint.attempt.number}) by {user}"
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
-        return start_attempt(locked, config, Attempt.RESTORE, note, checkpoint)
+        return run_services.queue_attempt(locked, config, Attempt.RESTORE, note, checkpoint)
 
 
 def _fork(user, run: Run, checkpoint: Checkpoint, config: dict, name: str) -> Attempt:
     with transaction.atomic():
         fork = Run.objects.create(owner=user, name=name[:200], config=config, forked_from=checkpoint)
         note = f"forked from run {run.pk} at step {checkpoint.step} (attempt {checkpoint.attempt.number})"
-        return start_attempt(fork, config, Attempt.RESTORE, note, checkpoint)
-
-
-def start_attempt(run: Run, config: dict, trigger: str, note: str, source: Checkpoint | None) -> Attempt:
-    """Add the run's next attempt, queued, and launch it once committed. Call inside a transaction."""
-    from loom.runs.tasks import launch_attempt
-    from loom.telemetry.services import record_platform_event
-
-    number = (run.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
-    attempt = Attempt.objects.create(
-        run=run, number=number, config=config, trigger=trigger, trigger_note=note, restored_from=source
-    )
-    run_services.mirror_on_run(attempt)
-    payload = {"state": states.QUEUED, "attempt": number, "trigger": trigger, "note": note}
-    if source is not None:
-        payload |= {"checkpoint": source.pk, "step": source.step}
-    record_platform_event(run, attempt, "state", payload)
-    transaction.on_commit(lambda: launch_attempt.delay(attempt.pk), robust=True)
-    return attempt
+        return run_services.queue_attempt(fork, config, Attempt.RESTORE, note, checkpoint)

@@ -55,17 +55,34 @@ def estimate_error_key(field: str) -> str:
 def create_run(owner, name, document, cluster=None) -> Run:
     """Validate, store the run with its first attempt (and, given a cluster, its estimate on it),
     and queue the launch once committed."""
-    from loom.runs.tasks import launch_attempt
-    from loom.telemetry.services import record_platform_event
 
     clean_name, config, estimate = validate_run_input(name, document, cluster)
     with transaction.atomic():
         run = Run.objects.create(owner=owner, name=clean_name, config=config, estimate=estimate)
-        attempt = Attempt.objects.create(run=run, number=1, config=config)
-        record_platform_event(run, attempt, "state", {"state": states.QUEUED, "attempt": attempt.number})
-        # robust: an unreachable broker must not turn a stored run into an error response.
-        transaction.on_commit(lambda: launch_attempt.delay(attempt.pk), robust=True)
+        queue_attempt(run, config, Attempt.CREATED)
     return run
+
+
+def queue_attempt(run: Run, config: dict, trigger: str, note: str = "", source=None) -> Attempt:
+    """Add the run's next attempt, queued, resuming from the checkpoint `source` (null: as its config
+    says), and launch it once committed. Call inside a transaction."""
+    from loom.runs.tasks import launch_attempt
+    from loom.telemetry.services import record_platform_event
+
+    number = (run.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
+    attempt = Attempt.objects.create(
+        run=run, number=number, config=config, trigger=trigger, trigger_note=note, restored_from=source
+    )
+    mirror_on_run(attempt)
+    payload = {"state": states.QUEUED, "attempt": number, "trigger": trigger}
+    if note:
+        payload["note"] = note
+    if source is not None:
+        payload |= {"checkpoint": source.pk, "step": source.step}
+    record_platform_event(run, attempt, "state", payload)
+    # robust: an unreachable broker must not turn a stored run into an error response.
+    transaction.on_commit(lambda: launch_attempt.delay(attempt.pk), robust=True)
+    return attempt
 
 
 def runs_for(user):
