@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -147,8 +146,7 @@ def test_cancelling_a_run_with_a_hung_rank_leaves_no_rank_behind(live_platform, 
 
 def running_process(pid: int) -> bool:
     """Whether pid is a live process (a zombie waiting for its parent counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    from loom.runs.launcher import stat_fields
+
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 LAUNCHER_RANK = -1
 DELIVERY_DEADLINE_S = 120.0
+# Indexes into stat_fields(): /proc/<pid>/stat fields 4 (parent pid) and 22 (start time), counted from 3.
+PARENT_FIELD = 1
+START_TIME_FIELD = 19
 
 # Set when this worker process is shutting down: supervised attempts are stopped, not orphaned.
 _shutting_down = threading.Event()
@@ -160,13 +163,10 @@ def stop_process_group(process: subprocess.Popen, grace_s: float) -> int:
 def descendants(pid: int) -> list[int]:
     """Every process below pid, from each process's parent in /proc (Linux, where torchrun runs)."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # The command name in parentheses may hold spaces; the parent pid is the second field after it.
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = stat_fields(int(entry.name))
+        if fields is not None:
+            children.setdefault(int(fields[PARENT_FIELD]), []).append(int(entry.name))
     found, frontier = [], [pid]
     while frontier:
         below = [child for parent in frontier for child in children.get(parent, [])]
@@ -182,13 +182,20 @@ def _signal_pid(pid: int, sig: int) -> None:
         pass
 
 
-def started_at(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22): with the pid it
-    names one process, where a pid alone may have been reused by the time it is signalled."""
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from its third field on (state, parent, …); None once the process is gone. The
+    command name before them is in parentheses and may hold spaces, so the split is after its last ")"."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def started_at(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot: with the pid it names one process, where a
+    pid alone may have been reused by the time it is signalled."""
+    fields = stat_fields(pid)
+    return fields[START_TIME_FIELD] if fields is not None else None
 
 
 def _same_process(pid: int, start: str | None) -> bool:
