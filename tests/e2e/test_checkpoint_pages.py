@@ -15,10 +15,9 @@ from loom.checkpoints.services import restore
 from loom.runs.forms import NewRunForm
 from loom.runs.launcher import claim_attempt
 from loom.runs.models import Run
-from loom.telemetry.services import ingest_batch
 from trainer.config import ParallelConfig
 
-from ..platform.helpers import TINY_CONFIG, claimed_run
+from ..platform.helpers import TINY_CONFIG, BatchSender, checkpoint_event, claimed_run
 from .test_pages import TINY_FORM
 
 pytestmark = pytest.mark.e2e
@@ -38,19 +37,6 @@ FIRST_LOSSES_OR_THE_END = """(attempt) => {
 # ---- a fabricated history: events as the ranks and the launcher would send them ----
 
 
-class Sender:
-    """Numbered batches for one attempt, stored through the ingest service."""
-
-    def __init__(self, attempt):
-        self.attempt = attempt
-        self.seq = {}
-
-    def send(self, rank, *events):
-        seq = self.seq.get(rank, 0)
-        self.seq[rank] = seq + 1
-        ingest_batch(self.attempt, rank, seq, list(events))
-
-
 def metric(step, at, rank):
     payload = {
         "loss": 5.0 - step / 10 + rank / 100,
@@ -59,11 +45,6 @@ def metric(step, at, rank):
         "step_time_s": STEP_TIME_S,
     }
     return {"kind": "metric", "time": at, "step": step, "payload": payload}
-
-
-def checkpoint_event(state, step, path, at, **payload):
-    payload = {"state": state, "step": step, "path": path, **payload}
-    return {"kind": "checkpoint", "time": at, "step": step, "payload": payload}
 
 
 def committed(step, path, at, parent=None):
@@ -90,7 +71,7 @@ def history(platform_user):
     deleted by retention. Returns (run, {step: checkpoint id}, {attempt number: attempt id})."""
     run, first, _ = claimed_run(platform_user[0], "fabricated history", CHECKPOINTED)
     start = time.time()
-    sender = Sender(first)
+    sender = BatchSender(first)
     sender.send(-1, launcher_state(first, "running", start))
     train(sender, range(1, 8), start)
     sender.send(0, committed(5, "/ckpt/a1/step-000005", start + 5))
@@ -100,7 +81,7 @@ def history(platform_user):
         launcher_state(first, "failed", start + 8, exit_code=1, reason=failure, failure_kind="killed", retryable=True),
     )
     second, _ = claim_attempt(run.attempts.get(number=2).pk)
-    sender = Sender(second)
+    sender = BatchSender(second)
     sender.send(-1, launcher_state(second, "running", start + 11))
     train(sender, range(6, 21), start + 6)
     sender.send(0, committed(10, "/ckpt/a2/step-000010", start + 16, parent="/ckpt/a1/step-000005"))
@@ -203,7 +184,7 @@ def running(platform_user, platform_server):
     """A run whose first attempt is running and has reported three steps; the test sends the rest
     through the ingest API while the page is open. Returns (run, attempt, token, ingest url)."""
     run, attempt, token = claimed_run(platform_user[0], "running", CHECKPOINTED)
-    sender = Sender(attempt)
+    sender = BatchSender(attempt)
     start = time.time()
     sender.send(-1, launcher_state(attempt, "running", start))
     train(sender, range(1, 4), start)

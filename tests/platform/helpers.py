@@ -5,6 +5,7 @@ import time
 from loom.runs.launcher import claim_attempt
 from loom.runs.models import Run
 from loom.runs.services import create_run
+from loom.telemetry.services import ingest_batch
 
 TINY_CONFIG = {
     "steps": 20,
@@ -37,3 +38,22 @@ def batch(attempt, rank=0, seq=0, steps=(1, 2, 3)):
 
 def event_count(run: Run, **filters) -> int:
     return run.events.filter(**filters).count()
+
+
+class BatchSender:
+    """Numbered batches for one attempt, per rank, stored through the ingest service as its ranks
+    and its launcher (rank -1) would send them."""
+
+    def __init__(self, attempt):
+        self.attempt = attempt
+        self.seq = {}
+
+    def send(self, rank, *events):
+        seq = self.seq.get(rank, 0)
+        self.seq[rank] = seq + 1
+        return ingest_batch(self.attempt, rank, seq, list(events))
+
+
+def checkpoint_event(state, step, path, time=100.0, **payload):
+    payload = {"state": state, "step": step, "path": path, **payload}
+    return {"kind": "checkpoint", "time": time, "step": step, "payload": payload}

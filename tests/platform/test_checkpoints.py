@@ -10,22 +10,12 @@ from loom.checkpoints.recovery import restarts_in_a_row
 from loom.checkpoints.resilience import resilience, young_daly_interval_s
 from loom.runs import states
 from loom.runs.models import Attempt, Run
-from loom.telemetry.services import ingest_batch
 
-from .helpers import TINY_CONFIG, claimed_run
+from .helpers import TINY_CONFIG, BatchSender, checkpoint_event, claimed_run
 
 pytestmark = pytest.mark.django_db
 
 LAYOUT = {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1}
-
-
-def checkpoint_event(state, step, path, time=100.0, **payload):
-    return {
-        "kind": "checkpoint",
-        "time": time,
-        "step": step,
-        "payload": {"state": state, "step": step, "path": path, **payload},
-    }
 
 
 def committed(step, path, parent=None, time=100.0, stall_s=0.05):
@@ -35,17 +25,8 @@ def committed(step, path, parent=None, time=100.0, stall_s=0.05):
     )  # fmt: skip
 
 
-class Ranks:
-    """Numbered batches for an attempt, as its ranks and launcher would send them."""
-
-    def __init__(self, attempt):
-        self.attempt = attempt
-        self.seq = {}
-
-    def send(self, rank, *events):
-        seq = self.seq.get(rank, 0)
-        self.seq[rank] = seq + 1
-        return ingest_batch(self.attempt, rank, seq, list(events))
+class Ranks(BatchSender):
+    """An attempt's ranks and launcher, with the histories these tests need."""
 
     def metrics(self, steps, start_time, step_time_s=1.0):
         for step in steps:
