@@ -9,11 +9,23 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set u
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from loom.telemetry.ingest_app import ingest_endpoint  # noqa: E402
 from loom.telemetry.routing import websocket_urlpatterns  # noqa: E402
+
+INGEST_PATH = "/api/ingest"
+
+
+async def http(scope, receive, send):
+    """Telemetry ingest takes its own lean path (every rank posts to it every second); the rest is Django."""
+    if scope["path"] == INGEST_PATH:
+        await ingest_endpoint(scope, receive, send)
+    else:
+        await django_http(scope, receive, send)
+
 
 application = ProtocolTypeRouter(
     {
-        "http": django_http,
+        "http": http,
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

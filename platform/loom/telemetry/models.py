@@ -22,17 +22,29 @@ class Event(models.Model):
     class Meta:
         ordering = ["run", "seq"]
         constraints = [models.UniqueConstraint(fields=["run", "seq"], name="event_seq_unique_per_run")]
+        # The comm heatmap reads an attempt's comm events by window; alerts will read heartbeats alike.
+        # A page reads the logs and states before its chart snapshot by kind; without this index that
+        # scans every metric event of the run.
+        indexes = [
+            models.Index(fields=["attempt", "kind", "step"], name="event_by_attempt_kind_step"),
+            models.Index(fields=["run", "kind", "seq"], name="event_by_run_kind_seq"),
+        ]
 
     def as_wire(self) -> dict:
-        return {
-            "seq": self.seq,
-            "kind": self.kind,
-            "attempt": self.attempt.number if self.attempt_id else None,
-            "rank": self.rank,
-            "step": self.step,
-            "time": self.time.timestamp(),
-            "payload": self.payload,
-        }
+        return wire(self, self.attempt.number if self.attempt_id else None)
+
+
+def wire(event: Event, attempt_number: int | None) -> dict:
+    """An event as the events API and the websocket give it."""
+    return {
+        "seq": event.seq,
+        "kind": event.kind,
+        "attempt": attempt_number,
+        "rank": event.rank,
+        "step": event.step,
+        "time": event.time.timestamp(),
+        "payload": event.payload,
+    }
 
 
 class IngestBatch(models.Model):
@@ -48,3 +60,67 @@ class IngestBatch(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["attempt", "rank", "seq"], name="batch_unique_per_attempt_rank_seq")
         ]
+
+
+class RankStep(models.Model):
+    """One rank's metrics of one step: the `metric` event projected into columns, so the charts of a
+    1,024-rank run read indexed rows instead of JSON."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="rank_steps")
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_steps")
+    rank = models.IntegerField()
+    step = models.BigIntegerField()
+    time = models.DateTimeField(help_text="When the rank emitted the step's metrics.")
+    loss = models.FloatField(null=True, help_text="This rank's own loss (ranks that compute one).")
+    loss_mean = models.FloatField(null=True, help_text="The loss averaged over the ranks that hold one.")
+    grad_norm = models.FloatField(null=True)
+    lr = models.FloatField(null=True)
+    step_time_s = models.FloatField(null=True)
+    tokens_per_s = models.FloatField(null=True, help_text="This rank's batch's tokens per second.")
+    mfu = models.FloatField(null=True)
+    memory_bytes = models.BigIntegerField(null=True, help_text="CUDA allocated bytes, or resident set on CPUs.")
+    memory_peak_bytes = models.BigIntegerField(null=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["attempt", "rank", "step"], name="rank_step_unique")]
+        # Rank lines read (attempt, rank, step); heatmaps and bands of a zoomed-in window read
+        # (attempt, step).
+        indexes = [models.Index(fields=["attempt", "step"], name="rank_step_by_step")]
+
+
+class RankTile(models.Model):
+    """Per rank, a run of `span` steps summed up (count, sum, min, max of step time and memory),
+    kept as metrics arrive: a heatmap or band over 100,000 steps reads a few hundred tiles per rank
+    instead of every step, and a spike survives as its tile's max."""
+
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_tiles")
+    span = models.IntegerField(help_text="Steps per tile: one of TILE_SPANS.")
+    bucket = models.BigIntegerField(help_text="step // span")
+    rank = models.IntegerField()
+    count = models.IntegerField()
+    step_time_sum = models.FloatField(null=True)
+    step_time_min = models.FloatField(null=True)
+    step_time_max = models.FloatField(null=True)
+    memory_sum = models.FloatField(null=True)
+    memory_min = models.BigIntegerField(null=True)
+    memory_max = models.BigIntegerField(null=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["attempt", "span", "bucket", "rank"], name="rank_tile_unique"),
+        ]
+
+
+class RankStatus(models.Model):
+    """What the platform last heard from each rank of an attempt: its host (the node a heatmap
+    names), its last heartbeat and step."""
+
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_status")
+    rank = models.IntegerField()
+    host = models.CharField(max_length=255, blank=True)
+    pid = models.IntegerField(null=True)
+    last_heartbeat = models.DateTimeField(null=True)
+    last_step = models.BigIntegerField(null=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["attempt", "rank"], name="rank_status_unique")]

@@ -1,0 +1,165 @@
+"""Ingest as the platform serves it: the ASGI endpoint with its group commit, and the tables the charts
+read (RankStep, RankTile, RankStatus) filled from the stored events."""
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from loom.telemetry.models import Event, IngestBatch, RankStatus, RankStep, RankTile
+from loom.telemetry.store import TILE_SPANS, PendingBatch
+from loom.telemetry.writer import IngestWriter, WriterBusy
+
+from .helpers import BatchSender, claimed_run
+
+
+def post(url: str, body, token: str | None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(f"{url}/api/ingest", data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def metric(step: int, step_time: float, memory: int, **extra) -> dict:
+    payload = {"loss_mean": 4.0 - step / 100, "step_time_s": step_time, "memory_rss": memory, **extra}
+    return {"kind": "metric", "time": time.time(), "step": step, "payload": payload}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_endpoint_answers_each_rule_as_the_api_documents(platform_server, platform_user, other_user, settings):
+    run, attempt, token = claimed_run(platform_user[0])
+    _, theirs, _ = claimed_run(other_user, "theirs")
+    body = {"attempt": attempt.pk, "rank": 0, "seq": 0, "events": [metric(1, 0.2, 1000)]}
+    assert post(platform_server.url, body, token) == (200, {"stored": 1, "duplicate": False})
+    assert post(platform_server.url, body, token) == (200, {"stored": 0, "duplicate": True})
+    assert post(platform_server.url, body, "attempt_unknown")[0] == 401
+    assert post(platform_server.url, body, None)[0] == 401
+    assert post(platform_server.url, {**body, "attempt": theirs.pk, "seq": 1}, token)[0] == 403
+    assert post(platform_server.url, b"{not json", token)[0] == 400
+    status, answer = post(platform_server.url, {**body, "seq": 2, "rank": -7}, token)
+    assert status == 400 and "rank" in answer["errors"]
+    huge = {**body, "seq": 3, "events": [metric(2, 0.2, 1, blob="x" * 4 * settings.LOOM_INGEST_MAX_BYTES)]}
+    assert post(platform_server.url, huge, token)[0] == 413
+    assert run.events.filter(kind="metric").count() == 1
+    assert IngestBatch.objects.filter(attempt=attempt).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_many_ranks_posting_at_once_with_retries_store_every_event_once(platform_server, platform_user):
+    run, attempt, token = claimed_run(platform_user[0])
+    ranks, batches_per_rank, steps_per_batch = 32, 6, 2
+    failures = []
+
+    def send_into(answers, body):
+        answers.append(post(platform_server.url, body, token))
+
+    def rank_sends(rank):
+        for seq in range(batches_per_rank):
+            steps = range(seq * steps_per_batch + 1, (seq + 1) * steps_per_batch + 1)
+            body = {"attempt": attempt.pk, "rank": rank, "seq": seq, "events": [metric(s, 0.1, 1) for s in steps]}
+            # Each batch goes twice at the same moment: a client retry racing its original.
+            answers = []
+            racers = [threading.Thread(target=send_into, args=(answers, body)) for _ in range(2)]
+            for racer in racers:
+                racer.start()
+            for racer in racers:
+                racer.join()
+            if sorted(a[1]["duplicate"] for a in answers if a[0] == 200) != [False, True]:
+                failures.append((rank, seq, answers))
+
+    threads = [threading.Thread(target=rank_sends, args=(rank,)) for rank in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    sent = ranks * batches_per_rank * steps_per_batch
+    assert run.events.filter(kind="metric").count() == sent
+    seqs = list(run.events.order_by("seq").values_list("seq", flat=True))
+    assert seqs == list(range(1, len(seqs) + 1))
+    run.refresh_from_db()
+    assert run.last_seq == seqs[-1]
+    assert RankStep.objects.filter(attempt=attempt).count() == sent
+    for rank in (0, ranks - 1):
+        steps = RankStep.objects.filter(attempt=attempt, rank=rank).order_by("step").values_list("step", flat=True)
+        assert list(steps) == list(range(1, batches_per_rank * steps_per_batch + 1))
+
+
+@pytest.mark.django_db
+def test_metrics_become_rank_steps_and_tiles_that_keep_sums_and_extremes(platform_user):
+    run, attempt, _ = claimed_run(platform_user[0])
+    sender = BatchSender(attempt)
+    # Rank 1 is slow at step 70, and its batches arrive in two transactions for the same tiles.
+    times = {step: (0.9 if step == 70 else 0.1 + step / 1000) for step in range(60, 80)}
+    sender.send(1, *[metric(step, times[step], 1000 + step) for step in range(60, 70)])
+    sender.send(1, *[metric(step, times[step], 1000 + step) for step in range(70, 80)])
+    sender.send(0, metric(60, 0.5, 7, loss="NaN", mfu=0.4))
+
+    row = RankStep.objects.get(attempt=attempt, rank=0, step=60)
+    assert (row.loss, row.mfu, row.step_time_s, row.memory_bytes) == (None, 0.4, 0.5, 7)
+    assert row.loss_mean == pytest.approx(3.4)
+    assert RankStep.objects.filter(attempt=attempt, rank=1).count() == 20
+
+    for span in TILE_SPANS:
+        tiles = RankTile.objects.filter(attempt=attempt, span=span, rank=1)
+        assert sum(tile.count for tile in tiles) == 20
+        for tile in tiles:
+            steps = [s for s in times if s // span == tile.bucket]
+            assert tile.count == len(steps)
+            assert tile.step_time_sum == pytest.approx(sum(times[s] for s in steps))
+            assert tile.step_time_max == pytest.approx(max(times[s] for s in steps))
+            assert tile.step_time_min == pytest.approx(min(times[s] for s in steps))
+            assert (tile.memory_min, tile.memory_max) == (1000 + min(steps), 1000 + max(steps))
+    (spike,) = RankTile.objects.filter(attempt=attempt, span=8, rank=1, bucket=70 // 8)
+    assert spike.step_time_max == pytest.approx(0.9)
+
+
+@pytest.mark.django_db
+def test_heartbeats_keep_each_ranks_host_and_latest_beat(platform_user):
+    _, attempt, _ = claimed_run(platform_user[0])
+    sender = BatchSender(attempt)
+    beat = {"kind": "heartbeat", "payload": {"host": "node-a", "pid": 11}}
+    sender.send(0, {**beat, "time": 100.0, "step": 3}, {**beat, "time": 101.0, "step": 4})
+    sender.send(1, {**beat, "time": 100.5, "step": None, "payload": {"host": "node-b", "pid": 12}})
+    sender.send(0, {**beat, "time": 102.0, "step": None})
+    status = {s.rank: s for s in RankStatus.objects.filter(attempt=attempt)}
+    assert (status[0].host, status[0].pid, status[0].last_step, status[0].last_heartbeat.timestamp()) == (
+        "node-a",
+        11,
+        4,
+        102.0,
+    )
+    assert (status[1].host, status[1].last_step) == ("node-b", None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_that_cannot_be_stored_fails_alone_and_the_rest_commit(platform_user):
+    _, attempt, _ = claimed_run(platform_user[0])
+    writer = IngestWriter()
+    good = [PendingBatch(attempt.pk, 1, attempt.run_id, rank, 0, [metric(1, 0.1, 1)]) for rank in range(3)]
+    orphan = PendingBatch(attempt.pk + 10_000, 1, attempt.run_id, 0, 0, [metric(1, 0.1, 1)])
+    futures = [writer.submit(batch) for batch in (good[0], orphan, good[1], good[2])]
+    results = []
+    for future in futures:
+        try:
+            results.append(future.result(timeout=30).stored)
+        except Exception as error:
+            results.append(type(error).__name__)
+    assert results[0] == results[2] == results[3] == 1
+    assert results[1] == "IntegrityError"
+    assert Event.objects.filter(attempt=attempt, kind="metric").count() == 3
+
+
+def test_a_full_writer_refuses_at_once_instead_of_queueing_without_bound():
+    writer = IngestWriter(max_waiting=0)
+    with pytest.raises(WriterBusy):
+        writer.submit(PendingBatch(1, 1, 1, 0, 0, []))
