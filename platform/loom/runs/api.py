@@ -4,6 +4,7 @@ from typing import Any
 from ninja import Router, Schema, Status
 from ninja.errors import HttpError
 
+from loom.telemetry.models import Event
 from loom.telemetry.services import events_after
 from trainer.config import world_size_of
 
@@ -144,14 +145,21 @@ def run_detail(request, run_id: int):
     return services.run_for(request.user, run_id)
 
 
-@router.get("/runs/{run_id}/events", response=EventPage)
-def run_events(request, run_id: int, after: int = 0, limit: int = 1000):
-    """Events with seq > after, oldest first: the REST snapshot a page resyncs from."""
+@router.get("/runs/{run_id}/events", response={200: EventPage, 400: FieldErrors})
+def run_events(request, run_id: int, after: int = 0, limit: int = 1000, until: int | None = None, kinds: str = ""):
+    """Events with seq > after (and ≤ until), oldest first: the REST snapshot a page resyncs from.
+    `kinds` (comma-separated) keeps only those kinds: a page that drew its charts from the metrics API
+    reads the logs, states and checkpoints before that snapshot this way. `more` says a page is full."""
     run = services.run_for(request.user, run_id)
+    wanted = [kind for kind in kinds.split(",") if kind]
+    unknown = sorted(set(wanted) - set(Event.KINDS))
+    if unknown:
+        return Status(400, {"errors": {"kinds": f"unknown kinds {unknown}; valid choices are {Event.KINDS}"}})
     limit = max(1, min(limit, 5000))
-    events = events_after(run, after, limit)
-    last = events[-1].seq if events else after
-    return {"events": [event.as_wire() for event in events], "last_seq": run.last_seq, "more": last < run.last_seq}
+    ceiling = run.last_seq if until is None else min(until, run.last_seq)
+    events = events_after(run, after, limit, until=ceiling, kinds=wanted)
+    more = len(events) == limit and events[-1].seq < ceiling
+    return {"events": [event.as_wire() for event in events], "last_seq": run.last_seq, "more": more}
 
 
 @router.post("/runs/{run_id}/cancel", response={202: RunDetailOut, 409: Message})

@@ -1,0 +1,286 @@
+"""What the run page's charts read: run-level series, per-rank lines or bands, the rank × step heatmap
+and the rank × rank communication matrix, each sized to the chart rather than to the run.
+
+Every answer starts with the run's last_seq read before the rows: a page draws the answer, then applies
+the events after that seq, and a point in both is the same (attempt, rank, step), drawn once.
+"""
+
+import math
+import statistics
+from collections import defaultdict
+
+from django.db.models import Max, Min
+
+from loom.runs.models import Attempt, Run
+from trainer.config import parse_config
+from trainer.plan.traffic import predicted_rows
+
+from .downsample import min_max
+from .models import Event, RankStatus, RankStep, RankTile
+from .store import TILE_SPANS
+
+SERIES = ("loss_mean", "grad_norm", "lr", "tokens_per_s", "mfu")
+RANK_METRICS = {"step_time_s": "step_time", "memory_bytes": "memory"}
+# Attempts with more ranks than this get a band (min/median/max over ranks) unless ranks are picked.
+LINE_RANKS_MAX = 8
+# Rank × bucket cells one heatmap or band reads and sends at most: 1,024 ranks get ~250 columns.
+CELLS_MAX = 256 * 1024
+# Larger worlds are drawn in blocks of ranks, so a matrix stays at most this many cells on a side.
+MATRIX_SIDE_MAX = 256
+
+
+class ChartInputError(ValueError):
+    """A bad query parameter: `errors` maps the parameter to what was wrong."""
+
+    def __init__(self, errors: dict[str, str]):
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+        self.errors = errors
+
+
+def attempt_of(run: Run, number: int | None) -> Attempt:
+    attempts = run.attempts.order_by("-number")
+    attempt = attempts.filter(number=number).first() if number is not None else attempts.first()
+    if attempt is None:
+        valid = sorted(run.attempts.values_list("number", flat=True))
+        raise ChartInputError({"attempt": f"run {run.pk} has no attempt {number}; valid choices are {valid}"})
+    return attempt
+
+
+def _last_seq(run: Run) -> int:
+    return Run.objects.values_list("last_seq", flat=True).get(pk=run.pk)
+
+
+def _step_range(attempt: Attempt, start: int | None, end: int | None) -> tuple[int, int] | None:
+    """[start, end] clipped to the steps the attempt has reported; None when it has none there."""
+    bounds = RankStep.objects.filter(attempt=attempt).aggregate(first=Min("step"), last=Max("step"))
+    if bounds["first"] is None:
+        return None
+    first = bounds["first"] if start is None else max(start, bounds["first"])
+    last = bounds["last"] if end is None else min(end, bounds["last"])
+    return (first, last) if first <= last else None
+
+
+def _data_parallel(config: dict) -> int:
+    parallel = config.get("parallel", {})
+    return parallel.get("dp_replicate", 1) * parallel.get("dp_shard", 1)
+
+
+def _world_size(attempt: Attempt) -> int:
+    return parse_config(attempt.config).parallel.world_size
+
+
+def series(run: Run, width: int, start: int | None = None, end: int | None = None) -> dict:
+    """Per attempt, the run-level curves over steps. Loss (mean over ranks), grad norm, lr and MFU are
+    the same on every rank, so the lowest reporting rank's are the run's; its batch's tokens/s times the
+    data-parallel degree is the run's."""
+    last_seq = _last_seq(run)
+    answers = []
+    for attempt in run.attempts.order_by("number"):
+        data_parallel = _data_parallel(attempt.config)
+        reference = RankStep.objects.filter(attempt=attempt).aggregate(rank=Min("rank"))["rank"]
+        rows = RankStep.objects.filter(attempt=attempt, rank=reference if reference is not None else 0)
+        if start is not None:
+            rows = rows.filter(step__gte=start)
+        if end is not None:
+            rows = rows.filter(step__lte=end)
+        columns = list(zip(*rows.order_by("step").values_list("step", *SERIES), strict=True)) or [()] * (
+            len(SERIES) + 1
+        )
+        steps = list(columns[0])
+        curves = {}
+        for name, values in zip(SERIES, columns[1:], strict=True):
+            values = list(values)
+            if name == "tokens_per_s":
+                values = [None if value is None else value * data_parallel for value in values]
+            kept_steps, kept_values = min_max(steps, values, max(1, width // 2))
+            curves[name] = {"step": kept_steps, "value": kept_values}
+        answers.append(
+            {
+                "attempt": attempt.number,
+                "world_size": _world_size(attempt),
+                "data_parallel": data_parallel,
+                "series": curves,
+            }
+        )
+    return {"last_seq": last_seq, "attempts": answers}
+
+
+def _span(first: int, last: int, columns: int) -> int:
+    """The finest resolution (raw steps, or a tile span) that fits the range into `columns`."""
+    for span in (1, *TILE_SPANS):
+        if math.ceil((last - first + 1) / span) <= columns:
+            return span
+    return TILE_SPANS[-1]
+
+
+def _rank_buckets(
+    attempt: Attempt, metric: str, first: int, last: int, span: int, ranks: list[int] | None
+) -> dict[int, dict[int, tuple[float | None, float | None, float | None]]]:
+    """rank → bucket's first step → (min, mean, max) of the metric over the bucket's steps."""
+    cells: dict[int, dict[int, tuple]] = defaultdict(dict)
+    if span == 1:
+        rows = RankStep.objects.filter(attempt=attempt, step__gte=first, step__lte=last)
+        if ranks is not None:
+            rows = rows.filter(rank__in=ranks)
+        for rank, step, value in rows.values_list("rank", "step", metric).iterator(chunk_size=20_000):
+            cells[rank][step] = (value, value, value)
+        return cells
+    prefix = RANK_METRICS[metric]
+    tiles = RankTile.objects.filter(attempt=attempt, span=span, bucket__gte=first // span, bucket__lte=last // span)
+    if ranks is not None:
+        tiles = tiles.filter(rank__in=ranks)
+    values = tiles.values_list("rank", "bucket", "count", f"{prefix}_sum", f"{prefix}_min", f"{prefix}_max")
+    for rank, bucket, count, total, lowest, highest in values.iterator(chunk_size=20_000):
+        mean = total / count if total is not None and count else None
+        cells[rank][bucket * span] = (lowest, mean, highest)
+    return cells
+
+
+def _check_metric(metric: str) -> None:
+    if metric not in RANK_METRICS:
+        raise ChartInputError({"metric": f"unknown metric {metric!r}; valid choices are {sorted(RANK_METRICS)}"})
+
+
+def rank_metric(
+    run: Run,
+    metric: str,
+    width: int,
+    number: int | None = None,
+    start: int | None = None,
+    end: int | None = None,
+    ranks: list[int] | None = None,
+) -> dict:
+    """A per-rank metric over steps: lines (min, mean, max per bucket) for a few ranks, else a band:
+    per bucket the lowest rank's min, the median over ranks of their means, and the highest max."""
+    _check_metric(metric)
+    last_seq = _last_seq(run)
+    attempt = attempt_of(run, number)
+    world = _world_size(attempt)
+    bad = [rank for rank in ranks or [] if not 0 <= rank < world]
+    if bad:
+        raise ChartInputError({"ranks": f"ranks {bad} are not in this attempt's 0…{world - 1}"})
+    answer = {"last_seq": last_seq, "attempt": attempt.number, "metric": metric, "world_size": world}
+    as_lines = ranks is not None or world <= LINE_RANKS_MAX
+    bounds = _step_range(attempt, start, end)
+    if bounds is None:
+        return answer | {"span": 1, "lines": {}} if as_lines else answer | {"span": 1, "band": _band({})}
+    shown = len(ranks) if ranks is not None else world
+    columns = max(1, width // 2) if as_lines else max(1, min(width // 2, CELLS_MAX // max(1, shown)))
+    span = _span(*bounds, columns)
+    cells = _rank_buckets(attempt, metric, *bounds, span, ranks)
+    if as_lines:
+        lines = {}
+        for rank in sorted(cells):
+            steps = sorted(cells[rank])
+            lines[str(rank)] = {
+                "step": steps,
+                "min": [cells[rank][step][0] for step in steps],
+                "mean": [cells[rank][step][1] for step in steps],
+                "max": [cells[rank][step][2] for step in steps],
+            }
+        return answer | {"span": span, "lines": lines}
+    return answer | {"span": span, "band": _band(cells)}
+
+
+def _band(cells: dict[int, dict[int, tuple]]) -> dict:
+    by_step: dict[int, list[tuple]] = defaultdict(list)
+    for buckets in cells.values():
+        for step, value in buckets.items():
+            by_step[step].append(value)
+    steps = sorted(by_step)
+    band = {"step": steps, "min": [], "median": [], "max": []}
+    for step in steps:
+        lows = [low for low, _, _ in by_step[step] if low is not None]
+        means = [mean for _, mean, _ in by_step[step] if mean is not None]
+        highs = [high for _, _, high in by_step[step] if high is not None]
+        band["min"].append(min(lows) if lows else None)
+        band["median"].append(statistics.median(means) if means else None)
+        band["max"].append(max(highs) if highs else None)
+    return band
+
+
+def heatmap(
+    run: Run, metric: str, width: int, number: int | None = None, start: int | None = None, end: int | None = None
+) -> dict:
+    """Rank × step: each rank's mean of the metric per bucket of steps (a slow rank is a stripe), with the
+    host each rank last reported from."""
+    _check_metric(metric)
+    last_seq = _last_seq(run)
+    attempt = attempt_of(run, number)
+    world = _world_size(attempt)
+    hosts = [""] * world
+    for rank, host in RankStatus.objects.filter(attempt=attempt, rank__lt=world).values_list("rank", "host"):
+        if rank >= 0:
+            hosts[rank] = host
+    answer = {"last_seq": last_seq, "attempt": attempt.number, "metric": metric, "ranks": list(range(world))}
+    bounds = _step_range(attempt, start, end)
+    if bounds is None:
+        return answer | {"span": 1, "steps": [], "hosts": hosts, "z": [[] for _ in range(world)]}
+    span = _span(*bounds, max(1, min(width, CELLS_MAX // world)))
+    cells = _rank_buckets(attempt, metric, *bounds, span, None)
+    steps = sorted({step for buckets in cells.values() for step in buckets})
+    z = [[cells[rank][step][1] if step in cells.get(rank, {}) else None for step in steps] for rank in range(world)]
+    return answer | {"span": span, "steps": steps, "hosts": hosts, "z": z}
+
+
+def comm(run: Run, number: int | None = None, start: int | None = None, end: int | None = None) -> dict:
+    """Measured bytes per step between ranks over the chosen windows (default: the latest), beside the
+    planner's prediction for the attempt's layout, each cell labelled by the kind carrying the most."""
+    attempt = attempt_of(run, number)
+    config = parse_config(attempt.config)
+    world = config.parallel.world_size
+    block = math.ceil(world / MATRIX_SIDE_MAX)
+    comm_events = Event.objects.filter(attempt=attempt, kind="comm")
+    windows = sorted({tuple(window) for window in _windows(comm_events)})
+    if start is None and end is None:
+        chosen = windows[-1:]
+    else:
+        low = start if start is not None else -math.inf
+        high = end if end is not None else math.inf
+        chosen = [window for window in windows if low <= window[0] and window[1] <= high]
+    steps = sum(last - first + 1 for first, last in chosen)
+    rows = [
+        payload
+        for payload in comm_events.filter(step__in=[last for _, last in chosen]).values_list("payload", flat=True)
+        if tuple(payload.get("window", ())) in set(chosen)
+    ]
+    answer = {
+        "attempt": attempt.number,
+        "world_size": world,
+        "block": block,
+        "windows": [list(window) for window in windows],
+        "window": [chosen[0][0], chosen[-1][1]] if chosen else None,
+        "steps": steps,
+        "measured": _matrix(rows, world, block, steps),
+        "predicted": None,
+        "predicted_error": "",
+    }
+    try:
+        answer["predicted"] = _matrix(predicted_rows(config), world, block, 1)
+    except ValueError as error:
+        answer["predicted_error"] = str(error)
+    return answer
+
+
+def _windows(comm_events) -> list[list[int]]:
+    """Every window the attempt measured; all ranks close the same windows, so the lowest rank's tell."""
+    lowest = comm_events.aggregate(rank=Min("rank"))["rank"]
+    payloads = comm_events.filter(rank=lowest).values_list("payload", flat=True)
+    return [payload["window"] for payload in payloads if len(payload.get("window") or ()) == 2]
+
+
+def _matrix(rows: list[dict], world: int, block: int, steps: int) -> dict:
+    """Bytes per step from src to dst (blocks of `block` ranks), and the kind carrying most of each cell."""
+    side = math.ceil(world / block)
+    by_kind: dict[str, list[list[float]]] = defaultdict(lambda: [[0.0] * side for _ in range(side)])
+    for row in rows:
+        source = row["rank"] // block
+        for destination, nbytes, kind, _ops in row["sends"]:
+            if 0 <= destination < world:
+                by_kind[kind][source][destination // block] += nbytes / max(1, steps)
+    total = [[sum(matrix[i][j] for matrix in by_kind.values()) for j in range(side)] for i in range(side)]
+    kinds = [
+        [max(by_kind, key=lambda kind: by_kind[kind][i][j]) if total[i][j] else "" for j in range(side)]
+        for i in range(side)
+    ]
+    return {"bytes": total, "kind": kinds}
