@@ -5,6 +5,11 @@
 // spell sends the page back to the API for everything after the last seq it applied. That way a
 // chart never misses a point and never draws one twice.
 //
+// The page does not replay a run's history from seq 0 (a 1,024-rank run has millions of events): the
+// charts load the metrics API (run_charts.js), whose answers say up to which seq they hold, and the
+// logs, states and checkpoints before that seq come from the events API filtered to those kinds.
+// Events after it are applied one by one.
+//
 // Attempts, checkpoints and the resilience figures are not patched from events: a state or a
 // checkpoint event asks the API for all three again (at most once per DETAILS_DELAY_MS), so what the
 // page shows of them is what the server holds, restarts and restores included.
@@ -13,6 +18,7 @@
   const page = JSON.parse(document.getElementById("run-page").textContent);
 
   const EVENTS_PAGE_SIZE = 1000;
+  const HISTORY_KINDS = "log,state,checkpoint";
   const LOG_LINES_KEPT = 2000;
   const CAPTURED_LOG_LINES = 200;
   const RECONNECT_FIRST_MS = 500;
@@ -23,20 +29,19 @@
   const QUIET_SOCKET_MS = 5000;
   const LAUNCHER_RANK = -1;
   const DETAILS_DELAY_MS = 300;
-  const CHART_FOR_METRIC = { loss: "loss-chart", tokens_per_s: "tokens-chart" };
-  const AXIS_TITLE = { loss: "loss (mean over ranks)", tokens_per_s: "tokens/s, all ranks" };
-  const HOVER_FORMAT = { loss: "%{y:.4f}", tokens_per_s: "%{y:,.0f}" };
-  const PLOT_CONFIG = { responsive: true, displaylogo: false };
   const DEGREES = ["dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"];
 
   const run = {
     lastSeq: 0,
+    // The seq the charts' snapshot holds everything up to; events after it were applied one by one.
+    snapshotSeq: null,
     state: page.state,
-    // What each rank reported, by rank: [step, value] in the order it arrived, every attempt's steps.
-    points: Object.fromEntries(Object.keys(CHART_FOR_METRIC).map((metric) => [metric, {}])),
-    // What the charts draw, one trace per attempt: [step, value] sorted by step.
-    series: Object.fromEntries(Object.keys(CHART_FOR_METRIC).map((metric) => [metric, {}])),
+    // Events applied one by one: the history before the snapshot (logs, states, checkpoints) and
+    // every event after it.
     appliedSeqs: 0,
+    // What arrived over the websocket and what the events API filled in.
+    socket: { opened: 0, messages: 0, events: 0, gaps: 0 },
+    fetched: { requests: 0, events: 0 },
     // The latest answers of the run, checkpoints and resilience APIs.
     detail: null,
     checkpoints: [],
@@ -58,38 +63,15 @@
   const estimateElement = document.getElementById("run-estimate");
   // What the planner predicted when the run was created on a cluster; null without one.
   const prediction = estimateElement ? JSON.parse(estimateElement.textContent) : null;
-  const KIB = 2 ** 10;
-  const MIB = 2 ** 20;
-  const GIB = 2 ** 30;
+  const { formatBytes, formatSeconds, getJson } = window.loomCharts;
 
   let latestAttempt = page.attempt;
   const logLines = {};
 
   // ---- drawing: charts and log lines are redrawn at most once per animation frame ----
 
-  const charts = {};
-  let chartsDirty = false;
   let logDirty = false;
   let frameRequested = false;
-
-  function setUpCharts() {
-    for (const [metric, elementId] of Object.entries(CHART_FOR_METRIC)) {
-      charts[metric] = document.getElementById(elementId);
-      Plotly.newPlot(charts[metric], [], chartLayout(metric), PLOT_CONFIG);
-    }
-  }
-
-  // A fresh layout each time; uirevision keeps a zoom the user chose across redraws.
-  function chartLayout(metric) {
-    return {
-      margin: { l: 60, r: 16, t: 8, b: 44 },
-      xaxis: { title: { text: "step" } },
-      yaxis: { title: { text: AXIS_TITLE[metric] } },
-      legend: { orientation: "h", y: -0.25 },
-      showlegend: true,
-      uirevision: "keep-zoom",
-    };
-  }
 
   function requestFrame() {
     if (!frameRequested) {
@@ -98,12 +80,11 @@
     }
   }
 
+  const charts = window.loomRunCharts(page, run, requestFrame);
+
   function drawFrame() {
     frameRequested = false;
-    if (chartsDirty) {
-      chartsDirty = false;
-      for (const metric of Object.keys(CHART_FOR_METRIC)) drawChart(metric);
-    }
+    charts.draw();
     if (measuredDirty) drawMeasured();
     if (logDirty) {
       logDirty = false;
@@ -113,30 +94,11 @@
     }
   }
 
-  // Separate traces, so a restart's steps (which repeat the ones after its checkpoint) start a new
-  // segment where it resumed instead of a line back from where the failed attempt stopped.
-  function drawChart(metric) {
-    const traces = Object.keys(run.series[metric])
-      .map(Number)
-      .sort((a, b) => a - b)
-      .map((attempt) => {
-        const points = run.series[metric][attempt];
-        return {
-          x: points.map((point) => point[0]),
-          y: points.map((point) => point[1]),
-          name: `attempt ${attempt}`,
-          type: "scatter",
-          mode: points.length > 1 ? "lines" : "markers",
-          hovertemplate: `step %{x}: ${HOVER_FORMAT[metric]}<extra>attempt ${attempt}</extra>`,
-        };
-      });
-    Plotly.react(charts[metric], traces, chartLayout(metric), PLOT_CONFIG);
-  }
-
   // ---- applying events ----
 
   function apply(event) {
     if (event.kind === "metric") addMetric(event);
+    else if (event.kind === "comm") charts.applyComm(event);
     else if (event.kind === "state") applyState(event);
     else if (event.kind === "log") addLogLine(event.rank, formatLog(event));
     if (event.kind === "state" || event.kind === "checkpoint") scheduleDetails();
@@ -145,85 +107,19 @@
   }
 
   function addMetric(event) {
-    for (const metric of Object.keys(CHART_FOR_METRIC)) {
-      const value = event.payload[metric];
-      if (value === undefined || value === null) continue;
-      // A diverged loss arrives as the string "NaN" or "Infinity": Number() keeps it as such.
-      (run.points[metric][event.rank] ||= []).push([event.step, Number(value)]);
+    charts.applyMetric(event);
+    if (prediction) {
+      measure(event.rank, event.payload);
+      requestFrame();
     }
-    if (event.attempt !== null && event.step !== null) addToSeries(event);
-    if (prediction) measure(event.rank, event.payload);
-    chartsDirty = true;
-    requestFrame();
-  }
-
-  // ---- one series per attempt ----
-
-  // The loss is the mean over the ranks that hold one, which every rank reports alike: the first
-  // report of a step is the attempt's. Throughput is the mean of what the ranks report times the
-  // attempt's data-parallel ranks (ranks that share a batch each report that batch's), null until the
-  // attempt's layout is known.
-  const seriesPoint = Object.fromEntries(Object.keys(CHART_FOR_METRIC).map((metric) => [metric, {}]));
-  const tokensReported = {};
-
-  function addToSeries(event) {
-    const { attempt, step, payload } = event;
-    if (payload.loss_mean !== undefined && payload.loss_mean !== null && !pointAt("loss", attempt, step)) {
-      insertPoint("loss", attempt, [step, Number(payload.loss_mean)]);
-    }
-    const tokensPerS = Number(payload.tokens_per_s);
-    if (payload.tokens_per_s === undefined || payload.tokens_per_s === null || !Number.isFinite(tokensPerS)) return;
-    const reported = ((tokensReported[attempt] ||= new Map()).get(step) || { sum: 0, ranks: 0 });
-    reported.sum += tokensPerS;
-    reported.ranks += 1;
-    tokensReported[attempt].set(step, reported);
-    const point = pointAt("tokens_per_s", attempt, step) || insertPoint("tokens_per_s", attempt, [step, null]);
-    point[1] = allRanksTokensPerS(attempt, reported);
-  }
-
-  function allRanksTokensPerS(attempt, reported) {
-    const dataParallel = dataParallelOf(attempt);
-    return dataParallel === null ? null : (reported.sum / reported.ranks) * dataParallel;
-  }
-
-  // Once the API has told the page an attempt's layout, its throughput points can be drawn.
-  function completeTokenSeries() {
-    for (const [attempt, steps] of Object.entries(tokensReported)) {
-      for (const [step, reported] of steps) {
-        const point = pointAt("tokens_per_s", Number(attempt), step);
-        if (point[1] === null) {
-          point[1] = allRanksTokensPerS(Number(attempt), reported);
-          chartsDirty = true;
-        }
-      }
-    }
-    if (chartsDirty) requestFrame();
-  }
-
-  function dataParallelOf(attemptNumber) {
-    const attempt = run.detail?.attempts.find((candidate) => candidate.number === attemptNumber);
-    return attempt ? (attempt.parallel.dp_replicate ?? 1) * (attempt.parallel.dp_shard ?? 1) : null;
-  }
-
-  function pointAt(metric, attempt, step) {
-    return seriesPoint[metric][attempt]?.get(step);
-  }
-
-  // Steps arrive in order from each rank, but a rank's retried batch can land after a later one.
-  function insertPoint(metric, attempt, point) {
-    const points = (run.series[metric][attempt] ||= []);
-    (seriesPoint[metric][attempt] ||= new Map()).set(point[0], point);
-    let index = points.length;
-    while (index > 0 && points[index - 1][0] > point[0]) index -= 1;
-    points.splice(index, 0, point);
-    return point;
   }
 
   // ---- predicted vs measured ----
 
   // Peak memory is the highest any rank reported (the allocator's peak on GPUs, the peak resident
   // set on CPUs); tokens/s is each rank's latest, averaged, times the data-parallel ranks, because
-  // ranks that share a batch (tp, cp, pp) each report that batch's throughput.
+  // ranks that share a batch (tp, cp, pp) each report that batch's throughput. Until events arrive,
+  // the snapshot's figures stand in: the latest tokens/s point and the highest memory any rank drew.
   run.measured = { peakMemoryBytes: null, tokensPerSByRank: {}, tokensPerS: null };
   let measuredDirty = false;
 
@@ -233,6 +129,14 @@
     const tokensPerS = Number(payload.tokens_per_s);
     if (payload.tokens_per_s != null && Number.isFinite(tokensPerS)) run.measured.tokensPerSByRank[rank] = tokensPerS;
     measuredDirty = true;
+  }
+
+  function measureSnapshot() {
+    const figures = charts.snapshotFigures();
+    run.measured.peakMemoryBytes = figures.memoryBytes;
+    run.measured.tokensPerS = figures.tokensPerS;
+    measuredDirty = true;
+    requestFrame();
   }
 
   function showPrediction() {
@@ -245,16 +149,13 @@
     const { peakMemoryBytes, tokensPerSByRank } = run.measured;
     if (peakMemoryBytes !== null) document.getElementById("measured-memory").textContent = formatBytes(peakMemoryBytes);
     const perRank = Object.values(tokensPerSByRank);
-    if (!perRank.length) return;
-    const meanPerRank = perRank.reduce((sum, value) => sum + value, 0) / perRank.length;
-    run.measured.tokensPerS = meanPerRank * prediction.data_parallel;
-    document.getElementById("measured-tokens").textContent = wholeNumber(run.measured.tokensPerS);
-  }
-
-  function formatBytes(bytes) {
-    if (bytes >= GIB) return `${(bytes / GIB).toFixed(2)} GiB`;
-    if (bytes >= MIB) return `${(bytes / MIB).toFixed(1)} MiB`;
-    return bytes >= KIB ? `${(bytes / KIB).toFixed(1)} KiB` : `${bytes} B`;
+    if (perRank.length) {
+      const meanPerRank = perRank.reduce((sum, value) => sum + value, 0) / perRank.length;
+      run.measured.tokensPerS = meanPerRank * prediction.data_parallel;
+    }
+    if (run.measured.tokensPerS !== null) {
+      document.getElementById("measured-tokens").textContent = wholeNumber(run.measured.tokensPerS);
+    }
   }
 
   function wholeNumber(value) {
@@ -306,15 +207,22 @@
   // ---- the two sources, kept in seq order ----
 
   function applyFromApi(events) {
+    run.fetched.requests += 1;
     for (const event of events) {
-      if (event.seq > run.lastSeq) apply(event);
+      if (event.seq > run.lastSeq) {
+        apply(event);
+        run.fetched.events += 1;
+      }
     }
   }
 
   function applyFromSocket(events) {
+    run.socket.messages += 1;
+    run.socket.events += events.length;
     for (const event of events) {
       if (event.seq <= run.lastSeq) continue;
       if (event.seq > run.lastSeq + 1) {
+        run.socket.gaps += 1;
         resync();
         return;
       }
@@ -358,6 +266,7 @@
     const scheme = location.protocol === "https:" ? "wss" : "ws";
     const socket = new WebSocket(`${scheme}://${location.host}${page.socketPath}`);
     socket.onopen = () => {
+      run.socket.opened += 1;
       reconnectDelay = RECONNECT_FIRST_MS;
       lastHeardAt = Date.now();
       hideNotice();
@@ -492,7 +401,7 @@
     }
     attemptRows.replaceChildren(...detail.attempts.map(attemptRow));
     followWorldSize(latest.world_size);
-    completeTokenSeries();
+    charts.attemptsChanged(detail);
     showCheckpoints(checkpoints);
     showResilience(resilience);
     showRestoreAvailability();
@@ -838,12 +747,6 @@
 
   // ---- small helpers ----
 
-  async function getJson(url) {
-    const response = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
-    if (!response.ok) throw new Error(`HTTP ${response.status}`);
-    return response.json();
-  }
-
   function badge(state) {
     const element = document.createElement("span");
     element.className = `badge state-${state}`;
@@ -869,14 +772,6 @@
     return `${number} ${noun}${number === 1 ? "" : "s"}`;
   }
 
-  // 26 s, 4.1 s, 0.30 s, 12 ms.
-  function formatSeconds(seconds) {
-    if (seconds >= 10) return `${seconds.toFixed(0)} s`;
-    if (seconds >= 1) return `${seconds.toFixed(1)} s`;
-    if (seconds >= 0.01) return `${seconds.toFixed(2)} s`;
-    return `${(seconds * 1000).toFixed(1)} ms`;
-  }
-
   function showNotice(text) {
     notice.textContent = text;
     notice.hidden = false;
@@ -886,8 +781,34 @@
     notice.hidden = true;
   }
 
+  // The charts' snapshot, then the logs, states and checkpoints stored up to its seq (the events
+  // of other kinds up to it are in the snapshot), then whatever came after.
+  async function load() {
+    let after = 0;
+    for (;;) {
+      try {
+        const snapshotSeq = await charts.loadSnapshot();
+        if (prediction) measureSnapshot();
+        let history;
+        do {
+          const query = `after=${after}&until=${snapshotSeq}&kinds=${HISTORY_KINDS}&limit=${EVENTS_PAGE_SIZE}`;
+          history = await getJson(`${page.apiUrl}/events?${query}`);
+          for (const event of history.events) apply(event);
+          if (history.events.length) after = history.events[history.events.length - 1].seq;
+        } while (history.more);
+        run.lastSeq = snapshotSeq;
+        run.snapshotSeq = snapshotSeq;
+        hideNotice();
+        return;
+      } catch (error) {
+        showNotice(`Could not load the run's charts (${error.message}); retrying.`);
+        await new Promise((resolve) => setTimeout(resolve, RESYNC_RETRY_MS));
+      }
+    }
+  }
+
   async function start() {
-    setUpCharts();
+    charts.setUp((error) => showNotice(`Could not load a chart (${error.message}).`));
     if (prediction) showPrediction();
     cancelButton.addEventListener("click", cancelRun);
     loadCapturedButton.addEventListener("click", loadCapturedLogs);
@@ -897,7 +818,8 @@
     restoreForm.addEventListener("change", showRestoreAvailability);
     document.getElementById("restore-close").addEventListener("click", closeRestore);
     window.addEventListener("hashchange", showTarget);
-    await Promise.all([refreshDetails(), resync()]);
+    await Promise.all([refreshDetails(), load()]);
+    await resync();
     connect();
     setInterval(resyncWhenQuiet, QUIET_SOCKET_MS);
   }

@@ -16,10 +16,14 @@ TRAINING_TIMEOUT_MS = 240_000
 RANKS = ["0", "1"]
 CLOSE_FIRST_SOCKET_AFTER_MESSAGES = 4
 
+# Attempts of up to 8 ranks draw a line per rank on the per-rank charts.
 LIVE_POINTS_FROM_EVERY_RANK = """(ranks) => {
-  const run = window.loomRun;
-  return run.state === "running" && ranks.every((rank) => (run.points.loss[rank] || []).length > 0);
+  const lines = document.getElementById("step-time-chart").data || [];
+  const drawn = (rank) => lines.some((line) => line.name === `rank ${rank}` && line.x.length > 0);
+  return window.loomRun.state === "running" && ranks.every(drawn);
 }"""
+# What the page holds from the charts' snapshot instead of applying the events one by one.
+SNAPSHOT_KINDS = {"metric", "heartbeat", "comm"}
 
 
 @pytest.fixture
@@ -43,9 +47,14 @@ def wait_for_live_points(page):
     page.wait_for_function(LIVE_POINTS_FROM_EVERY_RANK, arg=RANKS, polling="raf", timeout=TRAINING_TIMEOUT_MS)
 
 
-def loss_steps(page) -> dict[str, list[int]]:
-    loss = page.evaluate("window.loomRun.points.loss")
-    return {rank: [step for step, _ in points] for rank, points in loss.items()}
+def rank_steps(page, chart: str = "step-time-chart") -> dict[str, list[int]]:
+    """The steps each rank's line holds on a per-rank chart."""
+    lines = page.evaluate(f"document.getElementById('{chart}').data.map((line) => [line.name, Array.from(line.x)])")
+    return {name.removeprefix("rank "): steps for name, steps in lines}
+
+
+def series_steps(page, chart: str, attempt: int = 1) -> list[int]:
+    return [step for step, _ in page.evaluate(f"window.loomRun.series.{chart}[{attempt}] || []")]
 
 
 def all_events(page, run_id: int) -> list[dict]:
@@ -66,9 +75,14 @@ def all_events(page, run_id: int) -> list[dict]:
 
 
 def assert_page_holds_every_event_once(page, run_id: int):
+    """Every event up to the last is applied exactly once, but for the metrics, heartbeats and traffic
+    the charts' snapshot held when the page loaded."""
     events = all_events(page, run_id)
-    seen = page.evaluate("({lastSeq: loomRun.lastSeq, appliedSeqs: loomRun.appliedSeqs})")
-    assert seen == {"lastSeq": events[-1]["seq"], "appliedSeqs": len(events)}
+    seen = page.evaluate("""({
+        lastSeq: loomRun.lastSeq, appliedSeqs: loomRun.appliedSeqs, snapshot: loomRun.snapshotSeq
+    })""")
+    in_snapshot = sum(1 for event in events if event["seq"] <= seen["snapshot"] and event["kind"] in SNAPSHOT_KINDS)
+    assert (seen["lastSeq"], seen["appliedSeqs"]) == (events[-1]["seq"], len(events) - in_snapshot)
 
 
 def test_a_run_trains_live_on_the_page_to_success(page):
@@ -80,9 +94,9 @@ def test_a_run_trains_live_on_the_page_to_success(page):
     expect(page.locator("#cancel-run")).to_be_visible()
 
     expect(page.locator("#run-state")).to_have_text("succeeded", timeout=TRAINING_TIMEOUT_MS)
-    assert loss_steps(page) == {rank: list(range(1, steps + 1)) for rank in RANKS}
-    tokens_per_s = page.evaluate("window.loomRun.points.tokens_per_s")
-    assert sorted(tokens_per_s) == RANKS and all(len(points) == steps for points in tokens_per_s.values())
+    every_step = list(range(1, steps + 1))
+    assert rank_steps(page) == rank_steps(page, "memory-chart") == {rank: every_step for rank in RANKS}
+    assert series_steps(page, "tokens_per_s") == series_steps(page, "grad_norm") == every_step
     assert_page_holds_every_event_once(page, run_id)
     expect(page.locator("#cancel-run")).to_be_hidden()
     expect(page.locator('tr[data-attempt="1"] .attempt-state')).to_have_text("succeeded")
@@ -129,7 +143,8 @@ def test_dropped_socket_messages_and_a_reconnect_leave_no_gap_and_no_duplicate(p
     # The disconnect notice goes away when a socket opens again.
     expect(page.locator("#page-notice")).to_be_hidden()
     assert len(sockets_opened) >= 2, "the page never reconnected after its socket closed"
-    assert loss_steps(page) == {rank: list(range(1, steps + 1)) for rank in RANKS}
+    assert rank_steps(page) == {rank: list(range(1, steps + 1)) for rank in RANKS}
+    assert series_steps(page, "loss") == list(range(1, steps + 1))
     assert_page_holds_every_event_once(page, run_id)
 
 
@@ -172,9 +187,7 @@ def test_a_three_dimensional_layout_launches_from_the_form_and_reports_every_ran
     page.wait_for_url(re.compile(r"/runs/\d+/$"))
 
     expect(page.locator("#run-state")).to_have_text("succeeded", timeout=TRAINING_TIMEOUT_MS)
-    last_stage = [str(rank) for rank in range(4, 8)]
-    assert loss_steps(page) == {rank: list(range(1, steps + 1)) for rank in last_stage}
-    tokens_per_s = page.evaluate("window.loomRun.points.tokens_per_s")
-    assert sorted(tokens_per_s, key=int) == [str(rank) for rank in range(8)]
-    assert all(len(points) == steps for points in tokens_per_s.values())
+    every_step = list(range(1, steps + 1))
+    assert series_steps(page, "loss") == series_steps(page, "tokens_per_s") == every_step
+    assert rank_steps(page) == {str(rank): every_step for rank in range(8)}
     expect(page.locator("#log-rank option")).to_have_count(8)

@@ -115,6 +115,11 @@ def trace_names(page, chart: str) -> list[str]:
     return page.evaluate(f"document.getElementById('{chart}').data.map((trace) => trace.name)")
 
 
+def rank_line_steps(page) -> dict[str, list[int]]:
+    lines = page.evaluate("document.getElementById('step-time-chart').data.map((line) => [line.name, line.x])")
+    return dict(lines)
+
+
 def api_get(page, path: str):
     return page.evaluate("async (path) => (await fetch(path)).json()", path)
 
@@ -160,9 +165,16 @@ def test_run_page_shows_attempts_checkpoints_and_resilience_of_a_restarted_run(h
     assert [step for step, _ in series["loss"]["1"]] == list(range(1, 8))
     assert [step for step, _ in series["loss"]["2"]] == list(range(6, 21))
     assert series["loss"]["2"][0][1] == pytest.approx(5.0 - 6 / 10)
-    # Two data-parallel ranks reporting 1000 and 1010 tokens/s each: 2 × 1005 for the attempt.
-    assert {value for _, value in series["tokens_per_s"]["2"]} == {2010.0}
+    # Rank 0's batch's tokens/s (1000; rank 1 reports 1010) times the attempt's 2 data-parallel ranks.
+    assert {value for _, value in series["tokens_per_s"]["2"]} == {2000.0}
     assert trace_names(page, "tokens-chart") == ["attempt 1", "attempt 2"]
+    # The per-rank panels show the latest attempt, or the one picked.
+    page.wait_for_function("window.loomRun.panels.ranks.step_time_s?.attempt === 2")
+    assert rank_line_steps(page) == {"rank 0": list(range(6, 21)), "rank 1": list(range(6, 21))}
+    page.select_option("#panel-attempt", "1")
+    page.wait_for_function("window.loomRun.panels.ranks.step_time_s.attempt === 1")
+    assert rank_line_steps(page) == {"rank 0": list(range(1, 8)), "rank 1": list(range(1, 8))}
+    page.wait_for_function("window.loomRun.panels.heatmap.attempt === 1")
 
     expect(page.locator("#resilience-restarts")).to_have_text("1")
     expect(page.locator("#resilience-failed")).to_have_text("1")

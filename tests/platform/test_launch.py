@@ -12,6 +12,7 @@ from loom.runs import states
 from loom.runs.models import Attempt, Run
 from loom.runs.tasks import launch_attempt
 from loom.telemetry.models import IngestBatch
+from trainer.telemetry import read_spool
 
 from ..conftest import PlatformServer, free_port, wait_for
 from .helpers import TINY_CONFIG, claimed_run
@@ -67,6 +68,16 @@ def test_run_through_celery_trains_reports_every_step_and_ignores_a_second_deliv
     assert detail["attempts"][0]["state"] == states.SUCCEEDED and detail["attempts"][0]["finished_at"]
 
 
+def finished_ranks(spool) -> set[int]:
+    """The ranks whose spool holds their "finished" state event, emitted after their last step's metrics."""
+    return {
+        batch["rank"]
+        for batch in read_spool(spool)
+        for event in batch["events"]
+        if event["kind"] == "state" and event["payload"]["state"] == "finished"
+    }
+
+
 def test_spool_delivers_every_event_after_the_platform_was_unreachable(
     platform_user, platform_server, runs_dir, tmp_path
 ):
@@ -84,22 +95,33 @@ def test_spool_delivers_every_event_after_the_platform_was_unreachable(
     }
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "trainer.train", "--config", str(tmp_path / "config.json")]  # fmt: skip
-    trainer = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # A file, not a pipe nobody reads while the test waits; printed at the end, which pytest shows
+    # only when the test fails.
+    output = tmp_path / "trainer.log"
+    with output.open("wb") as log:
+        trainer = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
     late_server = None
     try:
+        # Wait for every step, not for a number of batches: how many batches a rank cuts depends on how
+        # its events fall into flush intervals, and on an idle machine the 20 steps take about 0.2 s, so
+        # a rank can spool everything in two batches and a wait for three never ends. A rank spools
+        # "finished" just before it closes its client, which keeps retrying for FINAL_TELEMETRY_TIMEOUT_S
+        # (30 s): the platform comes up while the trainer still runs, and every step goes through the spool.
         wait_for(
-            lambda: all(len(list((spool / f"rank{r}").glob("*.json"))) >= 3 for r in (0, 1)),
-            timeout=120,
-            message="both ranks to spool batches while the platform is down",
+            lambda: trainer.poll() is not None or finished_ranks(spool) == {0, 1},
+            timeout=180,
+            message="both ranks to spool every event while the platform is down",
         )
+        assert trainer.poll() is None, f"the trainer exited with {trainer.returncode} before spooling every event"
         assert run.events.filter(rank__gte=0).count() == 0
         late_server = PlatformServer(port).start()
-        output, _ = trainer.communicate(timeout=180)
+        trainer.wait(timeout=180)
     finally:
         trainer.kill()
         if late_server:
             late_server.stop()
-    assert trainer.returncode == 0, output.decode()[-3000:]
+        print(f"trainer output:\n{output.read_text(errors='replace')}")
+    assert trainer.returncode == 0
     for rank in (0, 1):
         assert metric_steps(run, rank) == list(range(1, 21))
         batch_seqs = sorted(IngestBatch.objects.filter(attempt=attempt, rank=rank).values_list("seq", flat=True))

@@ -1,6 +1,7 @@
 """The run pages. Thin: services decide, templates show, frontend/static/run.js keeps the run page live."""
 
 from django.contrib.auth.decorators import login_required
+from django.http import Http404
 from django.shortcuts import redirect, render
 from django.urls import reverse
 
@@ -8,6 +9,16 @@ from trainer.config import world_size_of
 
 from . import services, states
 from .forms import NewRunForm, restore_inputs
+
+# The run-level charts of the run and comparison pages: (element id, heading, the metrics API's series).
+SERIES_CHARTS = [
+    {"id": "loss-chart", "title": "Loss", "series": "loss"},
+    {"id": "grad-norm-chart", "title": "Gradient norm", "series": "grad_norm"},
+    {"id": "lr-chart", "title": "Learning rate", "series": "lr"},
+    {"id": "tokens-chart", "title": "Tokens/s, all ranks", "series": "tokens_per_s"},
+    {"id": "mfu-chart", "title": "MFU", "series": "mfu"},
+]
+COMPARE_RUNS_MAX = 8
 
 
 @login_required
@@ -36,6 +47,7 @@ def run_detail(request, run_id: int):
         "state": run.state,
         "ranks": world_size_of(latest.config),
         "attempt": latest.number,
+        "runId": run.pk,
         "apiUrl": reverse("api:run_detail", args=[run.pk]),
         "urls": {
             "checkpoints": reverse("api:run_checkpoints", args=[run.pk]),
@@ -53,5 +65,31 @@ def run_detail(request, run_id: int):
         "ranks": range(page["ranks"]),
         "cancellable": run.state in page["cancellableStates"],
         "page": page,
+        "series_charts": SERIES_CHARTS,
     }
     return render(request, "runs/detail.html", context)
+
+
+@login_required
+def run_compare(request):
+    """The run-level curves of several runs overlaid: ?runs=3,5 (or runs=3&runs=5, as the run list's
+    checkboxes send it). Another user's run is a 404, as on its own page."""
+    items = [item for value in request.GET.getlist("runs") for item in value.split(",") if item.strip()]
+    try:
+        ids = list(dict.fromkeys(int(item) for item in items))
+    except ValueError:
+        raise Http404("runs must be run ids") from None
+    runs = [services.run_for(request.user, run_id) for run_id in ids[:COMPARE_RUNS_MAX]]
+    page = {
+        "runs": [
+            {"id": run.pk, "name": run.name, "seriesUrl": reverse("api:metric_series", args=[run.pk])} for run in runs
+        ],
+    }
+    context = {
+        "runs": runs,
+        "page": page,
+        "series_charts": SERIES_CHARTS,
+        "left_out": len(ids) - len(runs),
+        "runs_max": COMPARE_RUNS_MAX,
+    }
+    return render(request, "runs/compare.html", context)

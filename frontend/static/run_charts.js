@@ -1,0 +1,1023 @@
+"use strict";
+// The run page's charts: run-level curves, step time and memory per rank, the rank × step heatmap
+// and the rank × rank communication matrix beside the planner's. None of them is built from the raw
+// events of a run (a 1,024-rank run has millions): each loads the metrics API sized to its width in
+// pixels, asks again for a step range when the user zooms (a double-click goes back to the whole
+// run), and is kept live by the metric events run.js applies after the snapshot's last_seq.
+//
+// A point can be both in an answer and in an event after it (the answer's rows are read after its
+// last_seq), so events are merged by (attempt, rank, step): a step an answer already covers is not
+// drawn twice. An answer that lands while events are being applied replaces what those events drew,
+// so the events applied while a request was in flight are kept and applied again on top of it.
+
+window.loomRunCharts = (page, run, requestFrame) => {
+  const C = window.loomCharts;
+  const LATENCIES_KEPT = 10000;
+  // The rank whose tokens/s times the data-parallel degree is the run's (the API takes the lowest
+  // reporting rank's, which is rank 0 whenever it reports).
+  const TOKENS_RANK = 0;
+  // Rank-level panels that are refetched rather than patched wait this long between requests.
+  const REFETCH_MS = 2000;
+  // ...and wait at least this many times as long as the last answer took: a page on a loaded server,
+  // or of a world whose answers are large, asks less often by itself.
+  const REFETCH_BACKOFF = 10;
+  const RANK_LINES_MAX = 32;
+  const HEATMAP_CLIP = 0.99;
+  const HEATMAP_HEIGHT_MIN = 420;
+  const HEATMAP_HEIGHT_MAX = 1100;
+  const KINDS = ["tp", "cp", "dp", "pp"];
+  const BAND_FILL = "rgba(48, 86, 211, 0.15)";
+  const ACCENT = "#3056d3";
+
+  const SERIES = {
+    loss: { metric: "loss_mean", element: "loss-chart", axis: "loss (mean over ranks)", hover: "%{y:.4f}" },
+    grad_norm: { metric: "grad_norm", element: "grad-norm-chart", axis: "gradient norm", hover: "%{y:.4f}" },
+    lr: { metric: "lr", element: "lr-chart", axis: "learning rate", hover: "%{y:.3e}" },
+    tokens_per_s: { metric: "tokens_per_s", element: "tokens-chart", axis: "tokens/s, all ranks", hover: "%{y:,.0f}" },
+    mfu: { metric: "mfu", element: "mfu-chart", axis: "MFU", hover: "%{y:.1%}", yaxis: { tickformat: ".0%" } },
+  };
+  const RANK_METRICS = {
+    step_time_s: {
+      element: "step-time-chart",
+      axis: "step time (s)",
+      hover: "%{y:.3f} s",
+      value: (payload) => payload.step_time_s,
+    },
+    memory_bytes: {
+      element: "memory-chart",
+      axis: "memory per rank",
+      hover: "%{y:.4s}B",
+      yaxis: { tickformat: ".4s", ticksuffix: "B" },
+      // What the API projects: the CUDA allocator's bytes, or the resident set on CPUs.
+      value: (payload) => payload.memory_allocated ?? payload.memory_rss,
+    },
+  };
+  const HEATMAP = {
+    step_time_s: {
+      unit: "s",
+      hover: "%{z:.3f} s",
+      // Pale for fast, dark red for slow: a straggler is the darkest stripe.
+      colorscale: [
+        [0, "#fff7ec"],
+        [0.4, "#fdbb84"],
+        [0.75, "#e34a33"],
+        [1, "#7f0000"],
+      ],
+    },
+    memory_bytes: {
+      unit: "bytes",
+      hover: "%{z:.4s}B",
+      colorscale: [
+        [0, "#f7fbff"],
+        [0.5, "#6baed6"],
+        [1, "#08306b"],
+      ],
+    },
+  };
+
+  // ---- what the page shows, exposed on window.loomRun for the tests ----
+
+  run.series = Object.fromEntries(Object.keys(SERIES).map((key) => [key, {}]));
+  run.drawLatencies = [];
+  run.panels = { ranks: {}, heatmap: null, comm: null };
+
+  const elements = {};
+  const dirty = new Set();
+
+  // ---- requests in flight and the events applied meanwhile ----
+
+  let inFlight = 0;
+  let appliedMeanwhile = [];
+
+  function beginFetch() {
+    inFlight += 1;
+  }
+
+  function endFetch() {
+    inFlight -= 1;
+    if (!inFlight) appliedMeanwhile = [];
+  }
+
+  // Events applied after the answer's last_seq are not in it: apply them again on top.
+  function replay(lastSeq, applyOne) {
+    for (const event of appliedMeanwhile) if (event.seq > lastSeq) applyOne(event);
+  }
+
+  // ---- the attempt and ranks the rank-level panels show ----
+
+  const attemptSelect = document.getElementById("panel-attempt");
+  const rankPick = document.getElementById("rank-pick");
+  const rankPickError = document.getElementById("rank-pick-error");
+  // null: follow the latest attempt; otherwise the attempt number the user chose.
+  let chosenAttempt = null;
+  let pickedRanks = null;
+  let shownAttempt = null;
+  let worldSize = page.ranks;
+  const dataParallel = new Map();
+
+  // ========================= run-level curves, one trace per attempt =========================
+
+  const seriesIndex = Object.fromEntries(Object.keys(SERIES).map((key) => [key, {}]));
+  // Per chart and attempt, the last step an answer downsampled: a live step up to it is inside a
+  // bucket the answer already drew from (its first, lowest, highest and last point).
+  const seriesCovered = Object.fromEntries(Object.keys(SERIES).map((key) => [key, {}]));
+  const seriesRange = Object.fromEntries(Object.keys(SERIES).map((key) => [key, null]));
+  const seriesTicket = Object.fromEntries(Object.keys(SERIES).map((key) => [key, 0]));
+  // Rank 0's tokens/s of steps whose attempt's data-parallel degree is not known yet.
+  const tokensWaiting = new Map();
+  let latencyPending = [];
+
+  function fillSeries(key, answer) {
+    run.series[key] = {};
+    seriesIndex[key] = {};
+    seriesCovered[key] = {};
+    for (const attempt of answer.attempts) {
+      learnDataParallel(attempt.attempt, attempt.data_parallel);
+      const curve = attempt.series[SERIES[key].metric];
+      if (!curve || !curve.step.length) continue;
+      const points = curve.step.map((step, index) => [step, curve.value[index]]);
+      run.series[key][attempt.attempt] = points;
+      seriesIndex[key][attempt.attempt] = new Map(points.map((point) => [point[0], point]));
+      const steps = curve.step;
+      const raw = steps[steps.length - 1] - steps[0] + 1 === steps.length;
+      if (!raw) seriesCovered[key][attempt.attempt] = steps[steps.length - 1];
+    }
+    dirty.add(key);
+  }
+
+  async function fetchSeries(keys, range) {
+    const tickets = keys.map((key) => (seriesTicket[key] += 1));
+    beginFetch();
+    try {
+      const width = C.plotWidth(elements[keys[0]]);
+      const answer = await C.getJson(`${page.apiUrl}/metrics/series?${C.rangeQuery(width, range)}`);
+      keys.forEach((key, index) => {
+        if (tickets[index] !== seriesTicket[key]) return;
+        fillSeries(key, answer);
+        replay(answer.last_seq, (event) => applySeriesEvent(event, [key]));
+      });
+      requestFrame();
+      return answer.last_seq;
+    } finally {
+      endFetch();
+    }
+  }
+
+  function applySeriesEvent(event, keys = Object.keys(SERIES)) {
+    const { attempt, step, rank, payload } = event;
+    if (attempt === null || step === null) return;
+    for (const key of keys) {
+      let value;
+      if (key === "tokens_per_s") {
+        if (rank !== TOKENS_RANK) continue;
+        const raw = C.pointValue(payload.tokens_per_s);
+        if (raw === null) continue;
+        const degree = dataParallel.get(attempt);
+        if (degree === undefined)
+          (tokensWaiting.get(attempt) || tokensWaiting.set(attempt, new Map()).get(attempt)).set(step, raw);
+        value = degree === undefined ? null : raw * degree;
+      } else {
+        value = C.pointValue(payload[SERIES[key].metric]);
+        if (value === null) continue;
+      }
+      if (!addSeriesPoint(key, attempt, step, value)) continue;
+      if (key === "loss" && inRange(seriesRange.loss, step)) latencyPending.push(event.time);
+      dirty.add(key);
+      requestFrame();
+    }
+  }
+
+  function inRange(range, step) {
+    return range === null || (step >= range[0] && step <= range[1]);
+  }
+
+  // A step's point is the first one seen of it; steps arrive in order from a rank, but a retried batch
+  // can land after a later one, so the point goes where its step belongs.
+  function addSeriesPoint(key, attempt, step, value) {
+    const index = (seriesIndex[key][attempt] ||= new Map());
+    if (index.has(step) || step <= (seriesCovered[key][attempt] ?? -Infinity)) return false;
+    const points = (run.series[key][attempt] ||= []);
+    const point = [step, value];
+    index.set(step, point);
+    let position = points.length;
+    while (position > 0 && points[position - 1][0] > step) position -= 1;
+    points.splice(position, 0, point);
+    return true;
+  }
+
+  // Once an attempt's layout is known, its waiting throughput points can be drawn.
+  function learnDataParallel(attempt, degree) {
+    if (dataParallel.get(attempt) === degree) return;
+    dataParallel.set(attempt, degree);
+    const waiting = tokensWaiting.get(attempt);
+    if (!waiting) return;
+    tokensWaiting.delete(attempt);
+    for (const [step, raw] of waiting) {
+      const point = seriesIndex.tokens_per_s[attempt]?.get(step);
+      if (point && point[1] === null) point[1] = raw * degree;
+    }
+    dirty.add("tokens_per_s");
+    requestFrame();
+  }
+
+  function seriesTraces(key) {
+    return Object.keys(run.series[key])
+      .map(Number)
+      .sort((a, b) => a - b)
+      .map((attempt, index) => {
+        const points = run.series[key][attempt];
+        return {
+          x: points.map((point) => point[0]),
+          y: points.map((point) => point[1]),
+          name: `attempt ${attempt}`,
+          type: "scatter",
+          mode: points.length > 1 ? "lines" : "markers",
+          line: { color: C.COLOURS[index % C.COLOURS.length], width: 1.5 },
+          marker: { color: C.COLOURS[index % C.COLOURS.length] },
+          hovertemplate: `step %{x}: ${SERIES[key].hover}<extra>attempt ${attempt}</extra>`,
+        };
+      });
+  }
+
+  // A fresh layout each time; uirevision keeps a zoom the user chose across redraws.
+  function lineLayout(axisTitle, empty, extra = {}) {
+    return {
+      margin: C.MARGIN,
+      xaxis: { title: { text: "step" } },
+      yaxis: { title: { text: axisTitle }, ...(extra.yaxis || {}) },
+      legend: { orientation: "h", y: -0.25 },
+      showlegend: true,
+      uirevision: "keep-zoom",
+      annotations: empty
+        ? [{ text: empty, showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5, font: { color: "#5f6b7a" } }]
+        : [],
+    };
+  }
+
+  function drawSeries(key) {
+    const traces = seriesTraces(key);
+    const empty = traces.length ? "" : key === "mfu" ? "no MFU reported (none on CPU ranks)" : "no steps yet";
+    const drawn = key === "loss" ? latencyPending : null;
+    if (key === "loss") latencyPending = [];
+    const layout = lineLayout(SERIES[key].axis, empty, SERIES[key]);
+    const drawing = Plotly.react(elements[key], traces, layout, C.PLOT_CONFIG);
+    if (drawn && drawn.length) {
+      // The time from a rank's emit to the loss point on screen, for the end-to-end latency benchmark.
+      Promise.resolve(drawing).then(() => {
+        const now = Date.now();
+        for (const emitted of drawn) run.drawLatencies.push(now - emitted * 1000);
+        if (run.drawLatencies.length > LATENCIES_KEPT)
+          run.drawLatencies.splice(0, run.drawLatencies.length - LATENCIES_KEPT);
+      });
+    }
+  }
+
+  // ========================= step time and memory per rank =========================
+
+  function rankPanel(metric) {
+    return {
+      metric,
+      range: null,
+      ticket: 0,
+      attempt: null,
+      span: 1,
+      mode: "lines",
+      // Lines: rank → {step, min, mean, max, end}: end is the last step the answer's buckets cover.
+      lines: new Map(),
+      // Band: {step, min, median, max, end} from the answer.
+      band: null,
+      // Band steps after the answer, from events: step → {values: Map(rank → value), summary}.
+      live: new Map(),
+    };
+  }
+
+  const rankPanels = Object.fromEntries(Object.keys(RANK_METRICS).map((metric) => [metric, rankPanel(metric)]));
+
+  function fillRanks(panel, answer) {
+    panel.attempt = answer.attempt;
+    panel.span = answer.span;
+    panel.lines = new Map();
+    panel.band = null;
+    panel.live = new Map();
+    const lastCovered = (steps) => (steps.length ? steps[steps.length - 1] + answer.span - 1 : -Infinity);
+    if (answer.lines) {
+      panel.mode = "lines";
+      for (const [rank, line] of Object.entries(answer.lines)) {
+        panel.lines.set(Number(rank), { ...line, end: lastCovered(line.step) });
+      }
+      // A rank asked for (or in an attempt of up to 8) that has reported nothing yet still gets a line.
+      for (const rank of shownLineRanks(answer.world_size)) {
+        if (!panel.lines.has(rank)) panel.lines.set(rank, { step: [], min: [], mean: [], max: [], end: -Infinity });
+      }
+    } else {
+      panel.mode = "band";
+      panel.band = { ...answer.band, end: lastCovered(answer.band.step) };
+    }
+    dirty.add(panel);
+  }
+
+  function shownLineRanks(world) {
+    if (pickedRanks) return pickedRanks;
+    return world <= 8 ? Array.from({ length: world }, (_, rank) => rank) : [];
+  }
+
+  async function fetchRanks(panel) {
+    const ticket = (panel.ticket += 1);
+    beginFetch();
+    try {
+      const query = C.rangeQuery(C.plotWidth(elements[panel.metric]), panel.range, {
+        metric: panel.metric,
+        attempt: chosenAttempt,
+        ranks: pickedRanks ? pickedRanks.join(",") : "",
+      });
+      const answer = await C.getJson(`${page.apiUrl}/metrics/ranks?${query}`);
+      if (ticket !== panel.ticket) return answer.last_seq;
+      showAttempt(answer.attempt, answer.world_size);
+      fillRanks(panel, answer);
+      replay(answer.last_seq, (event) => applyRankEvent(panel, event));
+      requestFrame();
+      return answer.last_seq;
+    } finally {
+      endFetch();
+    }
+  }
+
+  function applyRankEvent(panel, event) {
+    if (event.attempt !== panel.attempt || event.step === null || event.rank === null || event.rank < 0) return;
+    const raw = RANK_METRICS[panel.metric].value(event.payload);
+    if (raw === undefined || raw === null) return;
+    const value = Number(raw);
+    if (!Number.isFinite(value)) return;
+    const changed =
+      panel.mode === "lines"
+        ? addLinePoint(panel, event.rank, event.step, value)
+        : addBandPoint(panel, event.rank, event.step, value);
+    if (changed) {
+      dirty.add(panel);
+      requestFrame();
+    }
+  }
+
+  function addLinePoint(panel, rank, step, value) {
+    const line = panel.lines.get(rank);
+    if (!line) return false;
+    if (step > line.end || panel.span === 1) {
+      const at = sortedPosition(line.step, step);
+      if (line.step[at] === step) return false;
+      for (const [name, item] of [
+        ["step", step],
+        ["min", value],
+        ["mean", value],
+        ["max", value],
+      ]) {
+        line[name].splice(at, 0, item);
+      }
+      return true;
+    }
+    // Inside a bucket of several steps the answer already summed: its extremes can only widen, and
+    // they are the same whether or not the answer had counted this rank's step.
+    return widenBucket(line, step, value);
+  }
+
+  // A band point after the answer is computed from the ranks seen so far and redrawn as more arrive.
+  function addBandPoint(panel, rank, step, value) {
+    if (step <= panel.band.end) return widenBucket(panel.band, step, value);
+    let point = panel.live.get(step);
+    if (!point) panel.live.set(step, (point = { values: new Map(), summary: null, complete: false }));
+    if (point.complete || point.values.has(rank)) return false;
+    point.values.set(rank, value);
+    point.summary = null;
+    return true;
+  }
+
+  function widenBucket(buckets, step, value) {
+    const at = sortedPosition(buckets.step, step + 1) - 1;
+    if (at < 0) return false;
+    let changed = false;
+    if (buckets.min[at] === null || value < buckets.min[at]) {
+      buckets.min[at] = value;
+      changed = true;
+    }
+    if (buckets.max[at] === null || value > buckets.max[at]) {
+      buckets.max[at] = value;
+      changed = true;
+    }
+    return changed;
+  }
+
+  // The first index whose step is ≥ `step` (steps ascending).
+  function sortedPosition(steps, step) {
+    let low = 0;
+    let high = steps.length;
+    while (low < high) {
+      const middle = (low + high) >> 1;
+      if (steps[middle] < step) low = middle + 1;
+      else high = middle;
+    }
+    return low;
+  }
+
+  function summarize(values) {
+    const sorted = [...values].sort((a, b) => a - b);
+    const middle = sorted.length >> 1;
+    const median = sorted.length % 2 ? sorted[middle] : (sorted[middle - 1] + sorted[middle]) / 2;
+    return [sorted[0], median, sorted[sorted.length - 1]];
+  }
+
+  // The band as drawn: the answer's buckets, then the steps seen live.
+  function bandData(panel) {
+    const band = panel.band;
+    const data = { step: [...band.step], min: [...band.min], median: [...band.median], max: [...band.max] };
+    const liveSteps = [...panel.live.keys()].sort((a, b) => a - b);
+    for (const step of liveSteps) {
+      const point = panel.live.get(step);
+      point.summary ||= summarize(point.values.values());
+      data.step.push(step);
+      data.min.push(point.summary[0]);
+      data.median.push(point.summary[1]);
+      data.max.push(point.summary[2]);
+      // Every rank has reported the step: its summary is final and its values are no longer needed.
+      if (point.values.size >= worldSize) {
+        point.complete = true;
+        point.values = new Map();
+      }
+    }
+    return data;
+  }
+
+  function rankTraces(panel) {
+    const spec = RANK_METRICS[panel.metric];
+    if (panel.mode === "band") {
+      const data = bandData(panel);
+      const line = (name, values, extra) => ({
+        x: data.step,
+        y: values,
+        name,
+        type: "scatter",
+        mode: "lines",
+        hovertemplate: `step %{x}: ${name} ${spec.hover}<extra></extra>`,
+        ...extra,
+      });
+      return [
+        line("max", data.max, { line: { color: ACCENT, width: 1 } }),
+        line("min", data.min, { line: { color: ACCENT, width: 1 }, fill: "tonexty", fillcolor: BAND_FILL }),
+        line("median", data.median, { line: { color: "#1d2330", width: 1.5 } }),
+      ];
+    }
+    const across = panel.span > 1 ? ` (mean of ${panel.span} steps)` : "";
+    return [...panel.lines.keys()]
+      .sort((a, b) => a - b)
+      .map((rank, index) => {
+        const line = panel.lines.get(rank);
+        return {
+          x: line.step,
+          y: line.mean,
+          name: `rank ${rank}`,
+          type: "scatter",
+          mode: line.step.length > 1 ? "lines" : "markers",
+          line: { color: C.COLOURS[index % C.COLOURS.length], width: 1.5 },
+          hovertemplate: `rank ${rank} · step %{x}: ${spec.hover}${across}<extra></extra>`,
+        };
+      });
+  }
+
+  function drawRanks(panel) {
+    const traces = rankTraces(panel);
+    const hasPoints = traces.some((trace) => trace.x.length);
+    const note = document.getElementById(`${RANK_METRICS[panel.metric].element}-note`);
+    const resolution = panel.span > 1 ? `${panel.span} steps per point` : "";
+    const band = `min, median and max over ${worldSize} ranks${resolution && `, ${resolution}`}`;
+    note.textContent = panel.mode === "band" ? `${band}; pick ranks to see them as lines` : resolution;
+    Plotly.react(
+      elements[panel.metric],
+      traces,
+      lineLayout(RANK_METRICS[panel.metric].axis, hasPoints ? "" : "no steps yet", RANK_METRICS[panel.metric]),
+      C.PLOT_CONFIG,
+    );
+    run.panels.ranks[panel.metric] = { attempt: panel.attempt, span: panel.span, mode: panel.mode };
+  }
+
+  function rankTable(panel) {
+    if (panel.mode === "band") {
+      const data = bandData(panel);
+      return {
+        columns: ["step", "min", "median", "max"],
+        rows: data.step.map((step, index) => [step, data.min[index], data.median[index], data.max[index]]),
+      };
+    }
+    const rows = [];
+    for (const rank of [...panel.lines.keys()].sort((a, b) => a - b)) {
+      const line = panel.lines.get(rank);
+      line.step.forEach((step, index) => rows.push([rank, step, line.min[index], line.mean[index], line.max[index]]));
+    }
+    return { columns: ["rank", "step", "min", "mean", "max"], rows };
+  }
+
+  // ========================= rank × step heatmap =========================
+
+  // The heatmap is fetched again rather than patched from events: an answer's columns are buckets of
+  // `span` steps (the tiles the server keeps), and live steps drawn as one-step columns beside them
+  // would give columns of different widths. The server answers from those tiles; at 1,024 ranks an
+  // answer is up to 256K cells, so the page asks at most every REFETCH_MS while the shown attempt
+  // reports, and less often when answers are slow (REFETCH_BACKOFF).
+  const heatmap = { metric: "step_time_s", range: null, ticket: 0, answer: null };
+  let heatmapTimer = null;
+  const heatmapTimes = { finishedAt: 0, tookMs: 0 };
+  let heatmapFetching = false;
+
+  async function fetchHeatmap() {
+    const ticket = (heatmap.ticket += 1);
+    heatmapFetching = true;
+    const started = Date.now();
+    try {
+      const query = C.rangeQuery(C.plotWidth(elements.heatmap), heatmap.range, {
+        metric: heatmap.metric,
+        attempt: chosenAttempt,
+      });
+      const answer = await C.getJson(`${page.apiUrl}/metrics/heatmap?${query}`);
+      if (ticket !== heatmap.ticket) return answer.last_seq;
+      heatmap.answer = answer;
+      showAttempt(answer.attempt, answer.ranks.length);
+      dirty.add("heatmap");
+      requestFrame();
+      return answer.last_seq;
+    } finally {
+      heatmapFetching = false;
+      timed(heatmapTimes, started);
+    }
+  }
+
+  function timed(times, started) {
+    times.finishedAt = Date.now();
+    times.tookMs = times.finishedAt - started;
+  }
+
+  function refetchWait(times) {
+    return Math.max(0, times.finishedAt + Math.max(REFETCH_MS, REFETCH_BACKOFF * times.tookMs) - Date.now());
+  }
+
+  function scheduleHeatmap(step) {
+    // A zoom the new step is outside of does not change with it.
+    if (heatmapTimer !== null || (step !== undefined && !inRange(heatmap.range, step))) return;
+    heatmapTimer = setTimeout(() => {
+      heatmapTimer = null;
+      if (heatmapFetching) {
+        scheduleHeatmap();
+        return;
+      }
+      fetchHeatmap().catch(() => scheduleHeatmap());
+    }, refetchWait(heatmapTimes));
+  }
+
+  function hostOf(answer, rank) {
+    return answer.hosts[rank] || "host unknown";
+  }
+
+  function drawHeatmap() {
+    const answer = heatmap.answer;
+    const spec = HEATMAP[heatmap.metric];
+    const note = document.getElementById("rank-heatmap-note");
+    if (!answer) return;
+    const span = answer.span;
+    const steps = span > 1 ? `${span} steps from %{x}` : "step %{x}";
+    // The host of each cell's rank, for the hover: rows share one array per rank.
+    const hosts = answer.ranks.map((rank) => new Array(answer.steps.length).fill(hostOf(answer, rank)));
+    const trace = {
+      type: "heatmap",
+      x: answer.steps,
+      y: answer.ranks,
+      z: answer.z,
+      customdata: hosts,
+      ...colourRange(answer.z),
+      colorscale: spec.colorscale,
+      colorbar: { title: { text: spec.unit }, thickness: 12 },
+      hoverongaps: false,
+      hovertemplate: `rank %{y} on %{customdata}<br>${steps}: ${spec.hover}<extra></extra>`,
+    };
+    const ranks = answer.ranks.length;
+    // A pixel row per rank at least, up to 1,024 ranks: a straggler's row thinner than a pixel
+    // could be skipped when the cells are painted.
+    const height = Math.min(HEATMAP_HEIGHT_MAX, Math.max(HEATMAP_HEIGHT_MIN, ranks + C.MARGIN.t + C.MARGIN.b + 16));
+    elements.heatmap.style.height = `${height}px`;
+    const layout = {
+      height,
+      margin: { ...C.MARGIN, r: 8 },
+      xaxis: { title: { text: "step" } },
+      yaxis: { title: { text: "rank" }, autorange: "reversed", dtick: Math.max(1, Math.ceil(ranks / 16)) },
+      uirevision: `${heatmap.metric}-${answer.attempt}`,
+    };
+    Plotly.react(elements.heatmap, [trace], layout, C.PLOT_CONFIG);
+    note.textContent =
+      `attempt ${answer.attempt}, ${ranks} ranks` +
+      (span > 1 ? `, each cell the mean of ${span} steps` : "") +
+      (answer.steps.length ? "" : "; no steps yet");
+    run.panels.heatmap = { attempt: answer.attempt, metric: heatmap.metric, span, steps: answer.steps.length };
+  }
+
+  // The colours span the lowest cell to the 99th percentile: one spike of one rank would otherwise
+  // take the whole scale and leave a rank that is slow on every step a faint stripe. Cells above it
+  // are drawn in the darkest colour; the hover shows every cell's own value.
+  function colourRange(z) {
+    const values = z.flat().filter((value) => value !== null && Number.isFinite(value));
+    if (!values.length) return {};
+    values.sort((a, b) => a - b);
+    const high = values[Math.min(values.length - 1, Math.floor(values.length * HEATMAP_CLIP))];
+    return high > values[0] ? { zmin: values[0], zmax: high } : {};
+  }
+
+  function heatmapTable() {
+    const answer = heatmap.answer;
+    const rows = [];
+    if (answer) {
+      answer.ranks.forEach((rank, row) => {
+        answer.steps.forEach((step, column) => rows.push([rank, answer.hosts[rank], step, answer.z[row][column]]));
+      });
+    }
+    return { columns: ["rank", "host", "step", heatmap.metric], rows };
+  }
+
+  // ========================= communication: measured beside predicted =========================
+
+  const comm = { answer: null, ticket: 0, window: "", kind: "" };
+  const commWindowSelect = document.getElementById("comm-window");
+  const commKindSelect = document.getElementById("comm-kind");
+  let commTimer = null;
+  const commTimes = { finishedAt: 0, tookMs: 0 };
+  let commDrawn = { measured: null, predicted: null };
+
+  async function fetchComm() {
+    const ticket = (comm.ticket += 1);
+    const started = Date.now();
+    const query = new URLSearchParams();
+    if (chosenAttempt !== null) query.set("attempt", String(chosenAttempt));
+    const windows = comm.answer?.windows || [];
+    if (comm.window === "all" && windows.length) {
+      query.set("start", String(windows[0][0]));
+      query.set("end", String(windows[windows.length - 1][1]));
+    } else if (comm.window && comm.window !== "all") {
+      const [first, last] = comm.window.split("-");
+      query.set("start", first);
+      query.set("end", last);
+    }
+    let answer;
+    try {
+      answer = await C.getJson(`${page.apiUrl}/comm?${query}`);
+    } finally {
+      timed(commTimes, started);
+    }
+    if (ticket !== comm.ticket) return;
+    comm.answer = answer;
+    showCommWindows(answer);
+    dirty.add("comm");
+    requestFrame();
+  }
+
+  function scheduleComm() {
+    // A window the user picked does not change; "latest" and "all windows" do.
+    if (commTimer !== null || (comm.window && comm.window !== "all")) return;
+    commTimer = setTimeout(() => {
+      commTimer = null;
+      fetchComm().catch(() => scheduleComm());
+    }, refetchWait(commTimes));
+  }
+
+  function showCommWindows(answer) {
+    const options = [new Option("latest window", ""), new Option("all windows", "all")];
+    for (const [first, last] of [...answer.windows].reverse()) {
+      options.push(new Option(first === last ? `step ${first}` : `steps ${first}–${last}`, `${first}-${last}`));
+    }
+    const chosen = comm.window;
+    commWindowSelect.replaceChildren(...options);
+    commWindowSelect.value = options.some((option) => option.value === chosen) ? chosen : "";
+  }
+
+  function rankLabel(first, block, world) {
+    const last = Math.min(first + block, world) - 1;
+    return block > 1 ? `ranks ${first}–${last}` : `rank ${first}`;
+  }
+
+  // log10 of bytes per step, so a tp link and a dp link a thousand times lighter both show; cells of
+  // another kind than the one picked, and silent ones, are left blank.
+  function commMatrix(matrix, answer) {
+    const { block, world_size: world } = answer;
+    const z = [];
+    const text = [];
+    const cells = [];
+    matrix.bytes.forEach((row, source) => {
+      const zRow = [];
+      const textRow = [];
+      row.forEach((bytes, destination) => {
+        const kind = matrix.kind[source][destination];
+        const shown = bytes > 0 && (!comm.kind || kind === comm.kind);
+        zRow.push(shown ? Math.log10(bytes) : null);
+        textRow.push(
+          shown
+            ? `${rankLabel(source * block, block, world)} → ${rankLabel(destination * block, block, world)}<br>` +
+                `${C.formatBytes(bytes)} per step · ${kind || "unlabelled"}`
+            : "",
+        );
+        if (shown) cells.push([source * block, destination * block, block, bytes, kind]);
+      });
+      z.push(zRow);
+      text.push(textRow);
+    });
+    return { z, text, cells };
+  }
+
+  function drawComm() {
+    const answer = comm.answer;
+    if (!answer) return;
+    const measured = commMatrix(answer.measured, answer);
+    const predicted = answer.predicted ? commMatrix(answer.predicted, answer) : null;
+    commDrawn = { measured: measured.cells, predicted: predicted ? predicted.cells : null };
+    const logs = [measured, predicted].filter(Boolean).flatMap((matrix) => matrix.z.flat().filter((v) => v !== null));
+    const low = logs.length ? Math.floor(Math.min(...logs)) : 0;
+    const high = logs.length ? Math.max(low + 1, Math.ceil(Math.max(...logs))) : 1;
+    const ticks = Array.from({ length: high - low + 1 }, (_, index) => low + index);
+    const axisRanks = Array.from({ length: answer.measured.bytes.length }, (_, index) => index * answer.block);
+    const trace = (matrix, showScale) => ({
+      type: "heatmap",
+      x: axisRanks,
+      y: axisRanks,
+      z: matrix.z,
+      text: matrix.text,
+      zmin: low,
+      zmax: high,
+      colorscale: [
+        [0, "#e8edfb"],
+        [0.5, "#7d95e6"],
+        [1, "#172c7a"],
+      ],
+      showscale: showScale,
+      colorbar: {
+        title: { text: "bytes/step" },
+        tickvals: ticks,
+        ticktext: ticks.map((v) => C.formatBytes(10 ** v)),
+        thickness: 12,
+      },
+      hoverongaps: false,
+      hovertemplate: "%{text}<extra></extra>",
+    });
+    const dtick = Math.max(1, Math.ceil(answer.world_size / 16 / answer.block)) * answer.block;
+    const layout = (title) => ({
+      margin: { l: 56, r: 8, t: 8, b: 44 },
+      xaxis: { title: { text: "receiving rank" }, dtick, constrain: "domain" },
+      yaxis: { title: { text: title }, dtick, autorange: "reversed", scaleanchor: "x" },
+      uirevision: `comm-${answer.attempt}`,
+    });
+    Plotly.react(elements.commMeasured, [trace(measured, !predicted)], layout("sending rank"), C.PLOT_CONFIG);
+    if (predicted)
+      Plotly.react(elements.commPredicted, [trace(predicted, true)], layout("sending rank"), C.PLOT_CONFIG);
+    else Plotly.purge(elements.commPredicted);
+    const window = answer.window ? `steps ${answer.window[0]}–${answer.window[1]} (${answer.steps} steps)` : "";
+    document.getElementById("comm-measured-note").textContent = answer.windows.length
+      ? `attempt ${answer.attempt}, ${window}${answer.block > 1 ? `, ${answer.block} ranks per cell` : ""}`
+      : "no window measured yet: ranks send their traffic every telemetry.comm_window_steps steps";
+    document.getElementById("comm-predicted-note").textContent = predicted
+      ? `the planner's ring arithmetic for attempt ${answer.attempt}'s layout, one step`
+      : `no prediction: ${answer.predicted_error}`;
+    run.panels.comm = { attempt: answer.attempt, window: answer.window, block: answer.block, kind: comm.kind };
+  }
+
+  function commTable(which) {
+    const cells = commDrawn[which] || [];
+    return { columns: ["from_rank", "to_rank", "ranks_per_cell", "bytes_per_step", "kind"], rows: cells };
+  }
+
+  // ========================= the shown attempt, picking ranks =========================
+
+  function showAttempt(attempt, ranks) {
+    shownAttempt = attempt;
+    worldSize = ranks;
+  }
+
+  function followedAttempt(event) {
+    return chosenAttempt === null ? event.attempt >= (shownAttempt ?? 0) : event.attempt === chosenAttempt;
+  }
+
+  function refetchRankLevel() {
+    for (const panel of Object.values(rankPanels)) fetchRanks(panel).catch(showError);
+    fetchHeatmap().catch(showError);
+    fetchComm().catch(showError);
+  }
+
+  let followTimer = null;
+
+  // A new attempt's first metric moves the followed panels to it (once for a burst of events), at
+  // its whole length and latest traffic window: a zoom or a window of the attempt before means nothing there.
+  function followNewAttempt() {
+    if (followTimer !== null) return;
+    followTimer = setTimeout(() => {
+      followTimer = null;
+      forgetRanges();
+      refetchRankLevel();
+    }, 0);
+  }
+
+  function forgetRanges() {
+    for (const panel of Object.values(rankPanels)) panel.range = null;
+    heatmap.range = null;
+    comm.window = "";
+  }
+
+  // "0, 5, 8-11": ranks to draw as lines; empty goes back to the default (lines up to 8 ranks, else a band).
+  function parseRanks(text) {
+    const ranks = new Set();
+    for (const part of text
+      .split(",")
+      .map((item) => item.trim())
+      .filter(Boolean)) {
+      const match = /^(\d+)(?:\s*[-–]\s*(\d+))?$/.exec(part);
+      if (!match) throw new Error(`"${part}" is not a rank or a range of ranks like 8-11`);
+      const first = Number(match[1]);
+      const last = match[2] === undefined ? first : Number(match[2]);
+      if (last < first) throw new Error(`"${part}" runs backwards`);
+      for (let rank = first; rank <= last; rank += 1) {
+        if (rank >= worldSize) throw new Error(`rank ${rank} is not in this attempt's 0–${worldSize - 1}`);
+        ranks.add(rank);
+      }
+    }
+    if (ranks.size > RANK_LINES_MAX) throw new Error(`at most ${RANK_LINES_MAX} ranks as lines; ${ranks.size} picked`);
+    return ranks.size ? [...ranks].sort((a, b) => a - b) : null;
+  }
+
+  function pickRanks() {
+    try {
+      pickedRanks = parseRanks(rankPick.value);
+      rankPickError.hidden = true;
+      rankPick.closest(".input")?.classList.remove("has-error");
+    } catch (error) {
+      rankPickError.textContent = error.message;
+      rankPickError.hidden = false;
+      rankPick.closest(".input")?.classList.add("has-error");
+      return;
+    }
+    for (const panel of Object.values(rankPanels)) fetchRanks(panel).catch(showError);
+  }
+
+  // Clicking a heatmap cell adds its rank to the ranks drawn as lines.
+  function pickFromHeatmap(click) {
+    const rank = click.points?.[0]?.y;
+    if (rank === undefined) return;
+    const ranks = new Set(pickedRanks || []);
+    ranks.add(Number(rank));
+    rankPick.value = [...ranks].sort((a, b) => a - b).join(", ");
+    pickRanks();
+  }
+
+  function attemptsChanged(detail) {
+    for (const attempt of detail.attempts) {
+      learnDataParallel(attempt.number, (attempt.parallel.dp_replicate ?? 1) * (attempt.parallel.dp_shard ?? 1));
+    }
+    const options = [new Option("latest", "")];
+    for (const attempt of detail.attempts)
+      options.push(new Option(`attempt ${attempt.number}`, String(attempt.number)));
+    if (attemptSelect.options.length !== options.length) {
+      attemptSelect.replaceChildren(...options);
+      attemptSelect.value = chosenAttempt === null ? "" : String(chosenAttempt);
+    }
+  }
+
+  let showError = () => {};
+
+  // ========================= wiring =========================
+
+  function card(element) {
+    return element.closest(".chart-card");
+  }
+
+  function setUp(onError) {
+    showError = onError;
+    for (const [key, spec] of Object.entries(SERIES)) {
+      elements[key] = document.getElementById(spec.element);
+      Plotly.newPlot(elements[key], [], lineLayout(spec.axis, ""), C.PLOT_CONFIG);
+      C.addCsvButton(card(elements[key]), `run-${page.runId}-${key}.csv`, () =>
+        C.lineTable(seriesTraces(key), SERIES[key].metric),
+      );
+      C.onStepRange(elements[key], (range) => {
+        seriesRange[key] = range;
+        fetchSeries([key], range).catch(showError);
+      });
+    }
+    for (const [metric, spec] of Object.entries(RANK_METRICS)) {
+      const panel = rankPanels[metric];
+      elements[metric] = document.getElementById(spec.element);
+      Plotly.newPlot(elements[metric], [], lineLayout(spec.axis, ""), C.PLOT_CONFIG);
+      C.addCsvButton(
+        card(elements[metric]),
+        () => `run-${page.runId}-attempt-${panel.attempt}-${metric}-per-rank.csv`,
+        () => rankTable(panel),
+      );
+      C.onStepRange(elements[metric], (range) => {
+        panel.range = range;
+        fetchRanks(panel).catch(showError);
+      });
+    }
+    elements.heatmap = document.getElementById("rank-heatmap");
+    Plotly.newPlot(elements.heatmap, [], { margin: C.MARGIN }, C.PLOT_CONFIG);
+    C.addCsvButton(
+      card(elements.heatmap),
+      () => `run-${page.runId}-attempt-${heatmap.answer?.attempt}-${heatmap.metric}-heatmap.csv`,
+      heatmapTable,
+    );
+    C.onStepRange(elements.heatmap, (range) => {
+      heatmap.range = range;
+      fetchHeatmap().catch(showError);
+    });
+    elements.heatmap.on("plotly_click", pickFromHeatmap);
+    for (const input of document.querySelectorAll('input[name="heatmap-metric"]')) {
+      input.addEventListener("change", () => {
+        heatmap.metric = input.value;
+        heatmap.range = null;
+        fetchHeatmap().catch(showError);
+      });
+    }
+    elements.commMeasured = document.getElementById("comm-measured-chart");
+    elements.commPredicted = document.getElementById("comm-predicted-chart");
+    C.addCsvButton(
+      card(elements.commMeasured),
+      () => `run-${page.runId}-comm-measured.csv`,
+      () => commTable("measured"),
+    );
+    C.addCsvButton(
+      card(elements.commPredicted),
+      () => `run-${page.runId}-comm-predicted.csv`,
+      () => commTable("predicted"),
+    );
+    commWindowSelect.addEventListener("change", () => {
+      comm.window = commWindowSelect.value;
+      fetchComm().catch(showError);
+    });
+    commKindSelect.addEventListener("change", () => {
+      comm.kind = commKindSelect.value;
+      dirty.add("comm");
+      requestFrame();
+    });
+    commKindSelect.replaceChildren(
+      new Option("all kinds", ""),
+      ...KINDS.map((kind) => new Option(`${kind} only`, kind)),
+    );
+    attemptSelect.addEventListener("change", () => {
+      chosenAttempt = attemptSelect.value === "" ? null : Number(attemptSelect.value);
+      forgetRanges();
+      refetchRankLevel();
+    });
+    rankPick.addEventListener("change", pickRanks);
+  }
+
+  // Everything the charts draw, from the API. Resolves to the lowest last_seq of the answers: every
+  // event up to it is in them, and the events after it are applied on top (merged where they overlap).
+  // The traffic matrix carries no seq (comm events only make it ask again) and, for a large world
+  // with its predicted matrix, is the slowest answer: the page does not wait for it.
+  async function loadSnapshot() {
+    fetchComm().catch(showError);
+    const seqs = await Promise.all([
+      fetchSeries(Object.keys(SERIES), null),
+      ...Object.values(rankPanels).map(fetchRanks),
+      fetchHeatmap(),
+    ]);
+    return Math.min(...seqs);
+  }
+
+  function applyMetric(event) {
+    if (inFlight) appliedMeanwhile.push(event);
+    applySeriesEvent(event);
+    if (event.attempt === null) return;
+    if (chosenAttempt === null && shownAttempt !== null && event.attempt > shownAttempt) {
+      // The answers it asks for take the place of what the panels hold, this event included.
+      shownAttempt = event.attempt;
+      followNewAttempt();
+      return;
+    }
+    for (const panel of Object.values(rankPanels)) applyRankEvent(panel, event);
+    if (followedAttempt(event)) scheduleHeatmap(event.step ?? undefined);
+  }
+
+  function applyComm(event) {
+    if (event.attempt !== null && followedAttempt(event)) scheduleComm();
+  }
+
+  function draw() {
+    for (const item of dirty) {
+      if (typeof item === "object") drawRanks(item);
+      else if (item === "heatmap") drawHeatmap();
+      else if (item === "comm") drawComm();
+      else drawSeries(item);
+    }
+    dirty.clear();
+  }
+
+  // The latest throughput and the highest memory the snapshot holds, for the predicted-vs-measured table.
+  function snapshotFigures() {
+    const attempts = Object.keys(run.series.tokens_per_s).map(Number);
+    const latest = attempts.length ? run.series.tokens_per_s[Math.max(...attempts)] : [];
+    const tokens = latest.length ? latest[latest.length - 1][1] : null;
+    const memory = rankPanels.memory_bytes;
+    const highs =
+      memory.mode === "band" ? memory.band?.max || [] : [...memory.lines.values()].flatMap((line) => line.max);
+    const finite = highs.filter((value) => Number.isFinite(value));
+    return { tokensPerS: tokens, memoryBytes: finite.length ? Math.max(...finite) : null };
+  }
+
+  return { setUp, loadSnapshot, applyMetric, applyComm, attemptsChanged, draw, snapshotFigures };
+};
