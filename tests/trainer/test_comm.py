@@ -372,7 +372,7 @@ def kind_of_pair(source: int, destination: int) -> str | None:
 @pytest.fixture(scope="module")
 def hybrid_run(tmp_path_factory):
     run = run_trainer(tmp_path_factory.mktemp("hybrid"), HYBRID_RUN, timeout_s=600)
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.failure_report()
     return run
 
 
@@ -443,7 +443,7 @@ STEP_ALL_REDUCE_BYTES = 4 * 8
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     run = run_trainer(tmp_path_factory.mktemp("ddp"), DDP_RUN)
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.failure_report()
     return run
 
 
@@ -466,6 +466,6 @@ def test_ddp_gradient_all_reduce_is_recorded(ddp_run):
 def test_switched_off_a_run_sends_no_comm_events(tmp_path):
     document = {**DDP_RUN, "steps": 2, "telemetry": {**DDP_RUN["telemetry"], "comm": False}}
     run = run_trainer(tmp_path, document)
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.failure_report()
     assert run.events("comm") == []
     assert len(run.events("metric")) == 2 * 2

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from trainer.config import parse_config
 from trainer.telemetry import read_spool
 
 ROOT = Path(__file__).resolve().parents[2]
+# How much of torchrun's output, and of each rank's stdout and stderr, a failure report shows.
+REPORT_LINES = 40
 
 
 @dataclass
@@ -25,6 +28,17 @@ class FinishedRun:
     output: str
     spool_dir: Path
     params_dir: Path
+    rank_logs_dir: Path | None = None
+
+    def failure_report(self) -> str:
+        """The end of torchrun's output, then the end of each rank's own stdout and stderr. In the
+        combined output the ranks interleave and the last lines are the survivors' errors, so the
+        last words of the rank that failed first (a faulthandler stack, say) scroll out of sight."""
+        parts = [f"torchrun exited with {self.returncode}; its output ends:", _last_lines(self.output)]
+        logs = self.rank_logs_dir.glob("*/attempt_0/*/std*.log") if self.rank_logs_dir else []
+        for path in sorted(logs, key=lambda path: (int(path.parent.name), path.name)):
+            parts += [f"---- rank {path.parent.name} {path.stem} ends:", _last_lines(path.read_text(errors="replace"))]
+        return "\n".join(parts)
 
     def events(self, kind: str) -> list[tuple[int, dict]]:
         """(rank, event) for every spooled event of this kind, by rank then seq."""
@@ -54,9 +68,17 @@ class FinishedRun:
         return merged
 
 
-def trainer_launch(workdir: Path, document: dict, extra_env: dict[str, str] | None = None) -> tuple[list[str], dict]:
+def _last_lines(text: str) -> str:
+    return "\n".join(text.splitlines()[-REPORT_LINES:])
+
+
+def trainer_launch(
+    workdir: Path, document: dict, extra_env: dict[str, str] | None = None, rank_logs_dir: Path | None = None
+) -> tuple[list[str], dict]:
     """The torchrun command line and environment for the config, written to workdir/run.json; offline
-    (no LOOM_ variable from the caller's environment leaks in, only those in extra_env)."""
+    (no LOOM_ variable from the caller's environment leaks in, only those in extra_env). With
+    rank_logs_dir, torchrun also writes each rank's stdout and stderr to files of their own there
+    (its console lines then start with the rank, e.g. "[default3]:")."""
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "run.json"
     config_path.write_text(json.dumps(document))
@@ -66,10 +88,14 @@ def trainer_launch(workdir: Path, document: dict, extra_env: dict[str, str] | No
         LOOM_SPOOL_DIR=str(workdir / "spool"),
         LOOM_DUMP_PARAMS_DIR=str(workdir / "params"),
         OMP_NUM_THREADS="1",
+        # A rank that dies by a signal (SIGABRT, SIGSEGV) prints every thread's Python stack first.
+        PYTHONFAULTHANDLER="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH", "")])),
     )
     environ.update(extra_env or {})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
+    if rank_logs_dir is not None:
+        command += ["--log-dir", str(rank_logs_dir), "--tee", "3"]
     command += ["-m", "trainer.train", "--config", str(config_path)]
     return command, environ
 
@@ -77,12 +103,16 @@ def trainer_launch(workdir: Path, document: dict, extra_env: dict[str, str] | No
 def run_trainer(
     workdir: Path, document: dict, timeout_s: float = 300, extra_env: dict[str, str] | None = None
 ) -> FinishedRun:
-    """Run the config offline (telemetry stays spooled) on as many ranks as its layout needs."""
-    command, environ = trainer_launch(workdir, document, extra_env)
+    """Run the config offline (telemetry stays spooled) on as many ranks as its layout needs; each rank's
+    output is also kept on its own, for failure_report()."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    # A directory per launch: some tests launch twice in one workdir.
+    rank_logs_dir = Path(tempfile.mkdtemp(prefix="ranks-", dir=workdir))
+    command, environ = trainer_launch(workdir, document, extra_env, rank_logs_dir)
     result = subprocess.run(
         command, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s
     )
-    return FinishedRun(result.returncode, result.stdout, workdir / "spool", workdir / "params")
+    return FinishedRun(result.returncode, result.stdout, workdir / "spool", workdir / "params", rank_logs_dir)
 
 
 def start_trainer(workdir: Path, document: dict) -> subprocess.Popen:
