@@ -29,15 +29,18 @@ whether the server kept up (a batch acknowledged within one period of being cut)
 200) and delivery delay (cut → 200) percentiles; answers by status; the client backlog; the server's threads
 and CPU; then, one request at a time after the load, where one ingest's time goes.
 
-Each request in flight holds a server thread and, on PostgreSQL, a connection of its own (Django runs every
-request's sync code in a thread of its own, CONN_MAX_AGE 0): with hundreds of ranks that goes past the
-server's max_connections, which on a shared server starves its other clients too. `--limit-concurrency`
-passes uvicorn's limit (503 above it, retried by the client) to bound that.
+With `--follow`, a user's headless Chromium (benchmarks/browser.py) has the run page open through the load,
+and the page's own measurements are reported: for each point it drew from a live event, the time from the
+event's emit (its `time`: here the moment its batch was cut and sent, so no flush wait is in it) to the
+frame that drew it, for the loss chart (a step's first report) and for the step-time band (every rank's
+point), with the websocket messages it received and the gaps it had to resync.
+
+`--limit-concurrency` passes uvicorn's limit on requests in flight (503 above it, retried by the client).
 
     .venv/bin/python benchmarks/ingest_load.py --ranks 64 --duration 10
     .venv/bin/python benchmarks/ingest_load.py                               # 1,024 ranks, 30 s, SQLite
     DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test REDIS_URL=redis://127.0.0.1:6379/0 \\
-        .venv/bin/python benchmarks/ingest_load.py --limit-concurrency 32
+        .venv/bin/python benchmarks/ingest_load.py --duration 60 --steps-per-batch 2 --follow
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from browser import RunPageFollower  # noqa: E402 — the benchmarks folder is on the path (it is the script's)
+
 from trainer.config import parse_config  # noqa: E402 — the repository root is on the path only now
 from trainer.plan.hardware import ClusterSpec  # noqa: E402
 from trainer.plan.traffic import MAX_RANKS, predicted_rows  # noqa: E402
@@ -75,6 +80,9 @@ VENV_BIN = Path(sys.executable).parent
 BENCH_REDIS_DB = 15
 LOGGED_ERROR = re.compile(r"^[\w.]+(Error|Exception|Timeout)\b")
 GPUS_PER_NODE = 8
+BENCH_PASSWORD = "ingest-load-password"
+# After the load, how long a following page gets to draw the last points.
+FOLLOW_SETTLE_S = 5.0
 # Batches timed one at a time after the load, per kind of timing.
 PROBES = 100
 
@@ -84,7 +92,7 @@ from unittest import mock
 from django.contrib.auth import get_user_model
 from loom.runs import services
 from loom.runs.launcher import claim_attempt
-user = get_user_model().objects.create_user("ingest-load")
+user = get_user_model().objects.create_user("ingest-load", password=os.environ["BENCH_PASSWORD"])
 with mock.patch("loom.runs.tasks.launch_attempt.delay") as delay:
     run = services.create_run(user, os.environ["BENCH_RUN_NAME"], json.loads(os.environ["BENCH_CONFIG"]))
 assert delay.call_count == 1
@@ -582,7 +590,9 @@ def rate(count: float, seconds: float) -> str:
     return f"{count:,.0f} ({count / seconds:,.0f}/s)"
 
 
-def report(args, platform: Platform, load: Load, outcome: dict, stored: dict, cpu: dict, parts: dict | None) -> None:
+def report(
+    args, platform: Platform, load: Load, outcome: dict, stored: dict, cpu: dict, parts: dict | None, page: dict | None
+) -> None:
     stats, window = load.stats, load.window_s
     kept = stats.acked_within_period / max(1, stats.generated)
     period = 1.0 / args.rate
@@ -629,6 +639,8 @@ def report(args, platform: Platform, load: Load, outcome: dict, stored: dict, cp
         parts_ms = ", ".join(f"{name} {value * 1000:.1f}" for name, value in parts.items())
         rows.append(("one ingest alone, in-process, median ms", f"{parts_ms}; sum {sum(parts.values()) * 1000:.1f}"))
         rows.append(("one at a time over HTTP, median ms", ", ".join(f"{n} {v:.1f}" for n, v in alone.items())))
+    if page:
+        rows += page_rows(page, stored)
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
@@ -638,6 +650,22 @@ def report(args, platform: Platform, load: Load, outcome: dict, stored: dict, cp
         f"({kept:.0%} of batches stored within {period:g} s); "
         f"latency p50 {latency[0]:,.0f} ms, p95 {latency[1]:,.0f} ms; points lost {stored['lost_points']:,}"
     )
+
+
+def page_rows(page: dict, stored: dict) -> list[tuple[str, str]]:
+    """What the page following the run drew, and how long each point took from its rank to the screen."""
+    socket, fetched = page["socket"], page["fetched"]
+    rows = []
+    for name, values in (("loss points (a step's first report)", page["loss"]), ("step-time points", page["ranks"])):
+        figures = " / ".join(f"{percentile(values, q):,.0f} ms" for q in (0.5, 0.95, 0.99))
+        rows.append((f"emit → drawn p50 / p95 / p99, {name}", f"{figures} over {len(values):,} points"))
+    rows += [
+        ("page: websocket messages / events in them", f"{socket['messages']:,} / {socket['events']:,}"),
+        ("page: gaps resynced / events fetched to fill them", f"{socket['gaps']:,} / {fetched['events']:,}"),
+        ("page: last seq applied / events stored", f"{page['lastSeq']:,} / {stored['events']:,}"),
+        ("page: script errors", "; ".join(page["errors"]) or "none"),
+    ]
+    return rows
 
 
 def cpu_during(platform: Platform, run: Callable[[], dict]) -> tuple[dict, dict]:
@@ -680,6 +708,9 @@ def main() -> None:
     )
     parser.add_argument("--debug", action="store_true", help="LOOM_DEBUG=1 as bin/up: 500s logged with tracebacks")
     parser.add_argument("--no-breakdown", action="store_true", help="do not time the server's parts afterwards")
+    parser.add_argument(
+        "--follow", action="store_true", help="a user's headless Chromium follows the run page through the load"
+    )
     args = parser.parse_args()
     args.database = args.database or ("postgres" if os.environ.get("DATABASE_URL") else "embedded")
     if args.database == "postgres" and not os.environ.get("DATABASE_URL"):
@@ -698,17 +729,22 @@ def main() -> None:
         try:
             platform.start()
             setup_env = {"BENCH_RUN_NAME": f"ingest load {args.ranks}", "BENCH_CONFIG": json.dumps(config)}
-            created = json.loads(platform.django(SETUP, **setup_env))
+            created = json.loads(platform.django(SETUP, BENCH_PASSWORD=BENCH_PASSWORD, **setup_env))
             load = Load(args, platform, created["attempt"], created["token"], rows)
+            follower = None
+            if args.follow:
+                follower = RunPageFollower(platform.url, created["run"], "ingest-load", BENCH_PASSWORD)
+                follower.start()
             started_wall = time.time() - time.monotonic()
             outcome, cpu = cpu_during(platform, lambda: run_loop(load.run()))
+            page = follower.finish(FOLLOW_SETTLE_S) if follower else None
             stored = stored_figures(platform, load, started_wall + load.started, outcome["spooled"])
             parts = None if args.no_breakdown else breakdown(platform, load)
         finally:
             platform.stop()
             errors = platform.logged_errors()
             platform.drop_database()
-    report(args, platform, load, outcome, stored, cpu, parts)
+    report(args, platform, load, outcome, stored, cpu, parts, page)
     for line, count in errors.most_common(5):
         print(f"web.log: {count:,} × {line}")
 

@@ -12,7 +12,8 @@
 
 window.loomRunCharts = (page, run, requestFrame) => {
   const C = window.loomCharts;
-  const LATENCIES_KEPT = 10000;
+  // Enough for a minute of a 1,024-rank run's step-time points.
+  const LATENCIES_KEPT = 100000;
   // The rank whose tokens/s times the data-parallel degree is the run's (the API takes the lowest
   // reporting rank's, which is rank 0 whenever it reports).
   const TOKENS_RANK = 0;
@@ -78,7 +79,9 @@ window.loomRunCharts = (page, run, requestFrame) => {
   // ---- what the page shows, exposed on window.loomRun for the tests ----
 
   run.series = Object.fromEntries(Object.keys(SERIES).map((key) => [key, {}]));
+  // Emit → on screen, ms: of each loss point (a step's first report) and of every rank's step-time point.
   run.drawLatencies = [];
+  run.rankDrawLatencies = [];
   run.panels = { ranks: {}, heatmap: null, comm: null };
 
   const elements = {};
@@ -257,19 +260,22 @@ window.loomRunCharts = (page, run, requestFrame) => {
   function drawSeries(key) {
     const traces = seriesTraces(key);
     const empty = traces.length ? "" : key === "mfu" ? "no MFU reported (none on CPU ranks)" : "no steps yet";
-    const drawn = key === "loss" ? latencyPending : null;
-    if (key === "loss") latencyPending = [];
     const layout = lineLayout(SERIES[key].axis, empty, SERIES[key]);
     const drawing = Plotly.react(elements[key], traces, layout, C.PLOT_CONFIG);
-    if (drawn && drawn.length) {
-      // The time from a rank's emit to the loss point on screen, for the end-to-end latency benchmark.
-      Promise.resolve(drawing).then(() => {
-        const now = Date.now();
-        for (const emitted of drawn) run.drawLatencies.push(now - emitted * 1000);
-        if (run.drawLatencies.length > LATENCIES_KEPT)
-          run.drawLatencies.splice(0, run.drawLatencies.length - LATENCIES_KEPT);
-      });
+    if (key === "loss") {
+      keepLatencies(drawing, latencyPending, run.drawLatencies);
+      latencyPending = [];
     }
+  }
+
+  // The time from a rank's emit to its point on screen, for the end-to-end latency benchmark.
+  function keepLatencies(drawing, emitted, kept) {
+    if (!emitted.length) return;
+    Promise.resolve(drawing).then(() => {
+      const now = Date.now();
+      for (const time of emitted) kept.push(now - time * 1000);
+      if (kept.length > LATENCIES_KEPT) kept.splice(0, kept.length - LATENCIES_KEPT);
+    });
   }
 
   // ========================= step time and memory per rank =========================
@@ -288,6 +294,8 @@ window.loomRunCharts = (page, run, requestFrame) => {
       band: null,
       // Band steps after the answer, from events: step → {values: Map(rank → value), summary}.
       live: new Map(),
+      // Emit times of the events this panel took since it was last drawn.
+      latencyPending: [],
     };
   }
 
@@ -299,6 +307,8 @@ window.loomRunCharts = (page, run, requestFrame) => {
     panel.lines = new Map();
     panel.band = null;
     panel.live = new Map();
+    // Replayed on top of the answer, events still waiting to be drawn would be counted twice.
+    panel.latencyPending = [];
     const lastCovered = (steps) => (steps.length ? steps[steps.length - 1] + answer.span - 1 : -Infinity);
     if (answer.lines) {
       panel.mode = "lines";
@@ -353,6 +363,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
         ? addLinePoint(panel, event.rank, event.step, value)
         : addBandPoint(panel, event.rank, event.step, value);
     if (changed) {
+      if (panel.metric === "step_time_s") panel.latencyPending.push(event.time);
       dirty.add(panel);
       requestFrame();
     }
@@ -488,12 +499,14 @@ window.loomRunCharts = (page, run, requestFrame) => {
     const resolution = panel.span > 1 ? `${panel.span} steps per point` : "";
     const band = `min, median and max over ${worldSize} ranks${resolution && `, ${resolution}`}`;
     note.textContent = panel.mode === "band" ? `${band}; pick ranks to see them as lines` : resolution;
-    Plotly.react(
+    const drawing = Plotly.react(
       elements[panel.metric],
       traces,
       lineLayout(RANK_METRICS[panel.metric].axis, hasPoints ? "" : "no steps yet", RANK_METRICS[panel.metric]),
       C.PLOT_CONFIG,
     );
+    keepLatencies(drawing, panel.latencyPending, run.rankDrawLatencies);
+    panel.latencyPending = [];
     run.panels.ranks[panel.metric] = { attempt: panel.attempt, span: panel.span, mode: panel.mode };
   }
 
@@ -696,27 +709,33 @@ window.loomRunCharts = (page, run, requestFrame) => {
     return block > 1 ? `ranks ${first}–${last}` : `rank ${first}`;
   }
 
-  // log10 of bytes per step, so a tp link and a dp link a thousand times lighter both show; cells of
-  // another kind than the one picked, and silent ones, are left blank.
+  // log10 of bytes per step, so a tp link and a dp link a thousand times lighter both show; silent
+  // cells are left blank. With a kind picked, each cell holds that kind's own bytes (a dp transfer is
+  // shown also where tp traffic between the same ranks is heavier).
   function commMatrix(matrix, answer) {
     const { block, world_size: world } = answer;
+    const side = matrix.bytes.length;
+    const bytes = comm.kind ? Array.from({ length: side }, () => new Array(side).fill(0)) : matrix.bytes;
+    if (comm.kind) {
+      for (const [source, destination, value] of matrix.by_kind[comm.kind] || []) bytes[source][destination] = value;
+    }
     const z = [];
     const text = [];
     const cells = [];
-    matrix.bytes.forEach((row, source) => {
+    bytes.forEach((row, source) => {
       const zRow = [];
       const textRow = [];
-      row.forEach((bytes, destination) => {
-        const kind = matrix.kind[source][destination];
-        const shown = bytes > 0 && (!comm.kind || kind === comm.kind);
-        zRow.push(shown ? Math.log10(bytes) : null);
+      row.forEach((value, destination) => {
+        const kind = comm.kind || matrix.kind[source][destination];
+        const shown = value > 0;
+        zRow.push(shown ? Math.log10(value) : null);
         textRow.push(
           shown
             ? `${rankLabel(source * block, block, world)} → ${rankLabel(destination * block, block, world)}<br>` +
-                `${C.formatBytes(bytes)} per step · ${kind || "unlabelled"}`
+                `${C.formatBytes(value)} per step · ${kind || "unlabelled"}`
             : "",
         );
-        if (shown) cells.push([source * block, destination * block, block, bytes, kind]);
+        if (shown) cells.push([source * block, destination * block, block, value, kind]);
       });
       z.push(zRow);
       text.push(textRow);

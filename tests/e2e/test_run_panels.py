@@ -255,18 +255,19 @@ def test_a_sixteen_rank_run_shows_every_rank_a_straggler_and_its_traffic(sixteen
     page.select_option("#comm-kind", "dp")
     page.wait_for_function("window.loomRun.panels.comm.kind === 'dp'")
     (measured,) = chart_data(page, "comm-measured-chart")
-    assert measured["z"][0][1] is None and measured["z"][0][2] is not None
+    assert measured["z"][0][1] is None and measured["z"][0][2] == pytest.approx(math.log10(DP_BYTES))
 
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=SCREENSHOT, full_page=True)
     assert errors == []
 
 
-def test_live_steps_reach_every_panel_and_the_loss_draw_latency_is_kept(sixteen_ranks, open_logged_in):
+def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_ranks, open_logged_in):
     run, ingest = sixteen_ranks
     page = open_run(open_logged_in, run.pk)
     wait_for_chart(page, "loss-chart", f"data.length === 1 && data[0].x.length === {STEPS}")
     assert page.evaluate("window.loomRun.drawLatencies") == []
+    assert page.evaluate("window.loomRun.rankDrawLatencies") == []
     snapshot_seq = page.evaluate("window.loomRun.snapshotSeq")
 
     # The next ten steps of every rank, as each rank's next batch.
@@ -280,6 +281,14 @@ def test_live_steps_reach_every_panel_and_the_loss_draw_latency_is_kept(sixteen_
     # One latency per step the loss chart drew: the first of the 16 ranks' reports of it.
     page.wait_for_function(f"window.loomRun.drawLatencies.length === {len(live)}")
     assert all(0 < latency < 30_000 for latency in page.evaluate("window.loomRun.drawLatencies"))
+    # ...and one per rank and step that changed the step-time band: every rank's report of a step past
+    # the snapshot's last bucket, and those inside it only where they widen its min or max.
+    span = page.evaluate("window.loomRun.panels.ranks.step_time_s.span")
+    past_last_bucket = sum(1 for step in live if step > STEPS // span * span + span - 1)
+    page.wait_for_function(f"window.loomRun.rankDrawLatencies.length >= {RANKS * past_last_bucket}")
+    rank_latencies = page.evaluate("window.loomRun.rankDrawLatencies")
+    assert RANKS * past_last_bucket <= len(rank_latencies) <= RANKS * len(live)
+    assert all(0 < latency < 30_000 for latency in rank_latencies)
     # Every rank's events applied one by one after the snapshot, not replayed from it.
     page.wait_for_function(f"window.loomRun.lastSeq === {snapshot_seq + RANKS * len(live)}")
     drawn(page)

@@ -116,17 +116,21 @@ def test_comm_matrix_per_step_with_kinds_beside_the_prediction(client, platform_
     sender = BatchSender(attempt)
     for window in ([1, 5], [6, 10]):
         for rank in range(4):
-            sends = [[rank ^ 1, 1000, "tp", 10], [rank ^ 2, 100, "dp", 1]]
+            sends = [[rank ^ 1, 1000, "tp", 10], [rank ^ 2, 100, "dp", 1], [rank ^ 1, 300, "pp", 1]]
             payload = {"rank": rank, "window": window, "world_size": 4, "sends": sends, "time_s": 0.1}
             sender.send(rank, {"kind": "comm", "time": 1.0, "step": window[1], "payload": payload})
     client.force_login(user)
     answer = client.get(f"/api/runs/{run.pk}/comm").json()
     assert answer["windows"] == [[1, 5], [6, 10]] and answer["window"] == [6, 10] and answer["steps"] == 5
     measured = answer["measured"]
-    assert measured["bytes"][0][1] == 200 and measured["bytes"][0][2] == 20 and measured["bytes"][0][3] == 0
+    assert measured["bytes"][0][1] == 260 and measured["bytes"][0][2] == 20 and measured["bytes"][0][3] == 0
     assert measured["kind"][0][1] == "tp" and measured["kind"][0][2] == "dp" and measured["kind"][0][3] == ""
+    # Each kind's own share of a cell, also where another kind carries more of it.
+    assert sorted(measured["by_kind"]) == ["dp", "pp", "tp"]
+    assert [0, 1, 60] in measured["by_kind"]["pp"] and [0, 1, 200] in measured["by_kind"]["tp"]
+    assert len(measured["by_kind"]["pp"]) == 4 and not any(cell[:2] == [0, 2] for cell in measured["by_kind"]["pp"])
     both = client.get(f"/api/runs/{run.pk}/comm?start=1&end=10").json()
-    assert both["steps"] == 10 and both["measured"]["bytes"][2][3] == 200
+    assert both["steps"] == 10 and both["measured"]["bytes"][2][3] == 260
     predicted = answer["predicted"]
     assert predicted["kind"][0][1] == "tp" and predicted["kind"][0][2] == "dp" and predicted["bytes"][0][3] == 0
 

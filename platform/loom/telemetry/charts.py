@@ -270,7 +270,8 @@ def _windows(comm_events) -> list[list[int]]:
 
 
 def _matrix(rows: list[dict], world: int, block: int, steps: int) -> dict:
-    """Bytes per step from src to dst (blocks of `block` ranks), and the kind carrying most of each cell."""
+    """Bytes per step from src to dst (blocks of `block` ranks), the kind carrying most of each cell, and
+    each kind's own cells ([src, dst, bytes] where it sent anything), for a page showing one kind."""
     side = math.ceil(world / block)
     by_kind: dict[str, list[list[float]]] = defaultdict(lambda: [[0.0] * side for _ in range(side)])
     for row in rows:
@@ -283,4 +284,8 @@ def _matrix(rows: list[dict], world: int, block: int, steps: int) -> dict:
         [max(by_kind, key=lambda kind: by_kind[kind][i][j]) if total[i][j] else "" for j in range(side)]
         for i in range(side)
     ]
-    return {"bytes": total, "kind": kinds}
+    cells_by_kind = {
+        kind: [[i, j, matrix[i][j]] for i in range(side) for j in range(side) if matrix[i][j]]
+        for kind, matrix in sorted(by_kind.items())
+    }
+    return {"bytes": total, "kind": kinds, "by_kind": cells_by_kind}
