@@ -6,6 +6,7 @@ events are projected into the tables the charts read (RankStep, RankTile, RankSt
 commit in writer.py calls this with whatever batches arrived together; a single batch is a list of one.
 """
 
+import json
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from loom.checkpoints.services import record_checkpoint_event
 from loom.runs import services as run_services
 from loom.runs.models import Attempt
 
-from .models import Event, IngestBatch, RankStatus, RankStep, RankTile, wire
+from . import bulk
+from .models import Event
 from .publish import publish
 
 log = logging.getLogger(__name__)
@@ -28,8 +30,77 @@ LAUNCHER_RANK = -1
 # A tile sums this many consecutive steps of one rank; a chart picks the coarsest that still gives
 # it enough columns (queries.py). Powers of 8 keep every level within 8× of the width asked for.
 TILE_SPANS = (8, 64, 512, 4096)
-# Rows per INSERT statement: well under SQLite's 32,766 bound variables.
-ROWS_PER_STATEMENT = 400
+
+BATCHES = bulk.Table(
+    "telemetry_ingestbatch",
+    (
+        ("attempt_id", "bigint"),
+        ("rank", "int"),
+        ("seq", "bigint"),
+        ("event_count", "int"),
+        ("received_at", "timestamptz"),
+    ),
+)
+EVENTS = bulk.Table(
+    "telemetry_event",
+    (
+        ("run_id", "bigint"),
+        ("seq", "bigint"),
+        ("attempt_id", "bigint"),
+        ("kind", "text"),
+        ("rank", "int"),
+        ("step", "bigint"),
+        ("payload", "jsonb"),
+        ("time", "timestamptz"),
+        ("received_at", "timestamptz"),
+    ),
+)
+RANK_STEPS = bulk.Table(
+    "telemetry_rankstep",
+    (
+        ("run_id", "bigint"),
+        ("attempt_id", "bigint"),
+        ("rank", "int"),
+        ("step", "bigint"),
+        ("time", "timestamptz"),
+        ("loss", "float8"),
+        ("loss_mean", "float8"),
+        ("grad_norm", "float8"),
+        ("lr", "float8"),
+        ("step_time_s", "float8"),
+        ("tokens_per_s", "float8"),
+        ("mfu", "float8"),
+        ("memory_bytes", "bigint"),
+        ("memory_peak_bytes", "bigint"),
+    ),
+)
+RANK_TILES = bulk.Table(
+    "telemetry_ranktile",
+    (
+        ("attempt_id", "bigint"),
+        ("span", "int"),
+        ("bucket", "bigint"),
+        ("rank", "int"),
+        ("count", "int"),
+        ("step_time_sum", "float8"),
+        ("step_time_min", "float8"),
+        ("step_time_max", "float8"),
+        ("memory_sum", "float8"),
+        ("memory_min", "bigint"),
+        ("memory_max", "bigint"),
+    ),
+)
+RANK_STATUS = bulk.Table(
+    "telemetry_rankstatus",
+    (
+        ("attempt_id", "bigint"),
+        ("rank", "int"),
+        ("host", "text"),
+        ("pid", "int"),
+        ("last_heartbeat", "timestamptz"),
+        ("last_step", "bigint"),
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -74,27 +145,55 @@ def _claim(batches: list[PendingBatch]) -> list[bool]:
     first_of_key: dict[tuple[int, int, int], int] = {}
     for index, batch in enumerate(batches):
         first_of_key.setdefault(batch.key, index)
-    now = connection.ops.adapt_datetimefield_value(timezone.now())
-    claimed: set[tuple[int, int, int]] = set()
-    table = IngestBatch._meta.db_table
-    keys = [batches[index] for index in first_of_key.values()]
-    with connection.cursor() as cursor:
-        for chunk in _chunks(keys):
-            values = ", ".join(["(%s, %s, %s, %s, %s)"] * len(chunk))
-            params = [p for b in chunk for p in (b.attempt_id, b.rank, b.seq, len(b.events), now)]
-            cursor.execute(
-                f"INSERT INTO {table} (attempt_id, rank, seq, event_count, received_at) VALUES {values} "
-                "ON CONFLICT (attempt_id, rank, seq) DO NOTHING RETURNING attempt_id, rank, seq",
-                params,
-            )
-            claimed.update(tuple(row) for row in cursor.fetchall())
+    now = _db_time(timezone.now())
+    rows = [(*batches[index].key, len(batches[index].events), now) for index in first_of_key.values()]
+    conflict = "ON CONFLICT (attempt_id, rank, seq) DO NOTHING"
+    claimed = set(bulk.insert(BATCHES, rows, conflict, returning="attempt_id, rank, seq"))
     return [first_of_key[batch.key] == index and batch.key in claimed for index, batch in enumerate(batches)]
+
+
+def _db_time(moment: datetime):
+    return connection.ops.adapt_datetimefield_value(moment)
 
 
 @dataclass
 class StoredEvent:
     batch: PendingBatch
-    row: Event
+    seq: int
+    kind: str
+    step: int | None
+    payload: dict
+    time: datetime
+
+    @property
+    def rank(self) -> int:
+        return self.batch.rank
+
+    def as_model(self) -> Event:
+        """The stored row as a model instance, for the services that take one (checkpoints)."""
+        batch = self.batch
+        return Event(
+            run_id=batch.run_id,
+            seq=self.seq,
+            attempt_id=batch.attempt_id,
+            kind=self.kind,
+            rank=batch.rank,
+            step=self.step,
+            payload=self.payload,
+            time=self.time,
+        )
+
+    def wire(self) -> dict:
+        """As the events API and the websocket give it (models.wire)."""
+        return {
+            "seq": self.seq,
+            "kind": self.kind,
+            "attempt": self.batch.attempt_number,
+            "rank": self.batch.rank,
+            "step": self.step,
+            "time": self.time.timestamp(),
+            "payload": self.payload,
+        }
 
 
 def _append(batches: list[PendingBatch]) -> list[StoredEvent]:
@@ -111,21 +210,29 @@ def _append(batches: list[PendingBatch]) -> list[StoredEvent]:
         for batch in run_batches:
             for item in batch.events:
                 seq += 1
-                row = Event(
-                    run_id=run_id,
-                    seq=seq,
-                    attempt_id=batch.attempt_id,
-                    kind=item["kind"],
-                    rank=batch.rank,
-                    step=item.get("step"),
-                    payload=item.get("payload") or {},
-                    time=datetime.fromtimestamp(item["time"], UTC),
+                moment = datetime.fromtimestamp(item["time"], UTC)
+                stored.append(
+                    StoredEvent(batch, seq, item["kind"], item.get("step"), item.get("payload") or {}, moment)
                 )
-                stored.append(StoredEvent(batch, row))
-    Event.objects.bulk_create([event.row for event in stored], batch_size=ROWS_PER_STATEMENT)
+    now = _db_time(timezone.now())
+    rows = [
+        (
+            event.batch.run_id,
+            event.seq,
+            event.batch.attempt_id,
+            event.kind,
+            event.batch.rank,
+            event.step,
+            json.dumps(event.payload),
+            _db_time(event.time),
+            now,
+        )
+        for event in stored
+    ]
+    bulk.copy(EVENTS, rows)
     wire_by_run: dict[int, list[dict]] = defaultdict(list)
     for event in stored:
-        wire_by_run[event.row.run_id].append(wire(event.row, event.batch.attempt_number))
+        wire_by_run[event.batch.run_id].append(event.wire())
     for run_id, wire_events in wire_by_run.items():
         transaction.on_commit(lambda run_id=run_id, wire_events=wire_events: publish(run_id, wire_events))
     return stored
@@ -154,36 +261,38 @@ def _whole(value) -> int | None:
     return int(number) if number is not None else None
 
 
-def rank_step_row(run_id: int, attempt_id: int, rank: int, step: int, time: datetime, payload: dict) -> RankStep:
+def rank_step_row(run_id: int, attempt_id: int, rank: int, step: int, time, payload: dict) -> tuple:
+    """A `metric` event's RankStep row (RANK_STEPS' columns)."""
     memory = payload.get("memory_allocated", payload.get("memory_rss"))
     memory_peak = payload.get("memory_peak", payload.get("memory_peak_rss"))
-    return RankStep(
-        run_id=run_id,
-        attempt_id=attempt_id,
-        rank=rank,
-        step=step,
-        time=time,
-        loss=_number(payload.get("loss")),
-        loss_mean=_number(payload.get("loss_mean")),
-        grad_norm=_number(payload.get("grad_norm")),
-        lr=_number(payload.get("lr")),
-        step_time_s=_number(payload.get("step_time_s")),
-        tokens_per_s=_number(payload.get("tokens_per_s")),
-        mfu=_number(payload.get("mfu")),
-        memory_bytes=_whole(memory),
-        memory_peak_bytes=_whole(memory_peak),
+    return (
+        run_id,
+        attempt_id,
+        rank,
+        step,
+        time,
+        _number(payload.get("loss")),
+        _number(payload.get("loss_mean")),
+        _number(payload.get("grad_norm")),
+        _number(payload.get("lr")),
+        _number(payload.get("step_time_s")),
+        _number(payload.get("tokens_per_s")),
+        _number(payload.get("mfu")),
+        _whole(memory),
+        _whole(memory_peak),
     )
 
 
 def _project(events: list[StoredEvent]) -> None:
     steps = [
-        rank_step_row(e.row.run_id, e.row.attempt_id, e.row.rank, e.row.step, e.row.time, e.row.payload)
+        rank_step_row(e.batch.run_id, e.batch.attempt_id, e.rank, e.step, _db_time(e.time), e.payload)
         for e in events
-        if e.row.kind == "metric" and e.row.step is not None and e.row.rank is not None and e.row.rank >= 0
+        if e.kind == "metric" and e.step is not None and e.rank >= 0
     ]
-    RankStep.objects.bulk_create(steps, batch_size=ROWS_PER_STATEMENT, ignore_conflicts=True)
+    # A step reported twice (steps re-run in the same attempt) keeps its first report.
+    bulk.insert(RANK_STEPS, steps, "ON CONFLICT (attempt_id, rank, step) DO NOTHING")
     _add_to_tiles(steps)
-    _record_heartbeats([e.row for e in events if e.row.kind == "heartbeat" and e.row.rank is not None])
+    _record_heartbeats([e for e in events if e.kind == "heartbeat"])
 
 
 class _TileSum:
@@ -217,16 +326,16 @@ class _TileSum:
         )
 
 
-def _add_to_tiles(steps: list[RankStep]) -> None:
+def _add_to_tiles(steps: list[tuple]) -> None:
     """Fold the steps into every tile level: summed in Python first (one statement may not update a
     row twice), then added to what each tile holds."""
     tiles: dict[tuple[int, int, int, int], _TileSum] = defaultdict(_TileSum)
-    for row in steps:
+    for _run, attempt_id, rank, step, _time, *_values, step_time, _tokens, _mfu, memory, _peak in steps:
         for span in TILE_SPANS:
-            tiles[(row.attempt_id, span, row.step // span, row.rank)].add(row.step_time_s, row.memory_bytes)
+            tiles[(attempt_id, span, step // span, rank)].add(step_time, memory)
     if not tiles:
         return
-    table = RankTile._meta.db_table
+    table = RANK_TILES.name
     least, greatest = ("LEAST", "GREATEST") if connection.vendor == "postgresql" else ("MIN", "MAX")
 
     def combined(column: str, how: str) -> str:
@@ -247,50 +356,33 @@ def _add_to_tiles(steps: list[RankStep]) -> None:
         ]
     )
     rows = [(*key, *tile.values()) for key, tile in sorted(tiles.items())]
-    columns = (
-        "attempt_id, span, bucket, rank, count, step_time_sum, step_time_min, step_time_max, "
-        "memory_sum, memory_min, memory_max"
-    )
-    with connection.cursor() as cursor:
-        for chunk in _chunks(rows, ROWS_PER_STATEMENT // 4):
-            values = ", ".join(["(" + ", ".join(["%s"] * len(chunk[0])) + ")"] * len(chunk))
-            cursor.execute(
-                f"INSERT INTO {table} ({columns}) VALUES {values} "
-                f"ON CONFLICT (attempt_id, span, bucket, rank) DO UPDATE SET {updates}",
-                [value for row in chunk for value in row],
-            )
+    bulk.insert(RANK_TILES, rows, f"ON CONFLICT (attempt_id, span, bucket, rank) DO UPDATE SET {updates}")
 
 
-def _record_heartbeats(heartbeats: list[Event]) -> None:
-    latest: dict[tuple[int, int], Event] = {}
+def _record_heartbeats(heartbeats: list[StoredEvent]) -> None:
+    latest: dict[tuple[int, int], StoredEvent] = {}
     for event in heartbeats:
-        key = (event.attempt_id, event.rank)
+        key = (event.batch.attempt_id, event.rank)
         if key not in latest or latest[key].time <= event.time:
             latest[key] = event
-    if not latest:
-        return
-    table = RankStatus._meta.db_table
     rows = [
         (
-            event.attempt_id,
+            event.batch.attempt_id,
             event.rank,
             str(event.payload.get("host") or "")[:255],
             _whole(event.payload.get("pid")),
-            connection.ops.adapt_datetimefield_value(event.time),
+            _db_time(event.time),
             event.step,
         )
         for _, event in sorted(latest.items())
     ]
-    with connection.cursor() as cursor:
-        for chunk in _chunks(rows):
-            values = ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(chunk))
-            cursor.execute(
-                f"INSERT INTO {table} (attempt_id, rank, host, pid, last_heartbeat, last_step) VALUES {values} "
-                "ON CONFLICT (attempt_id, rank) DO UPDATE SET host = excluded.host, pid = excluded.pid, "
-                "last_heartbeat = excluded.last_heartbeat, "
-                f"last_step = COALESCE(excluded.last_step, {table}.last_step)",
-                [value for row in chunk for value in row],
-            )
+    table = RANK_STATUS.name
+    bulk.insert(
+        RANK_STATUS,
+        rows,
+        "ON CONFLICT (attempt_id, rank) DO UPDATE SET host = excluded.host, pid = excluded.pid, "
+        f"last_heartbeat = excluded.last_heartbeat, last_step = COALESCE(excluded.last_step, {table}.last_step)",
+    )
 
 
 def _apply_special(events: list[StoredEvent]) -> None:
@@ -299,17 +391,17 @@ def _apply_special(events: list[StoredEvent]) -> None:
     special = [
         event
         for event in events
-        if event.row.kind == "checkpoint" or (event.row.kind == "state" and event.row.rank == LAUNCHER_RANK)
+        if event.kind == "checkpoint" or (event.kind == "state" and event.rank == LAUNCHER_RANK)
     ]
     if not special:
         return
-    attempts = Attempt.objects.select_related("run").in_bulk({event.row.attempt_id for event in special})
+    attempts = Attempt.objects.select_related("run").in_bulk({event.batch.attempt_id for event in special})
     for event in special:
-        attempt = attempts[event.row.attempt_id]
-        if event.row.kind == "checkpoint":
-            record_checkpoint_event(attempt, event.row)
+        attempt = attempts[event.batch.attempt_id]
+        if event.kind == "checkpoint":
+            record_checkpoint_event(attempt, event.as_model())
         else:
-            _apply_launcher_state(attempt, event.row.payload)
+            _apply_launcher_state(attempt, event.payload)
             attempt.refresh_from_db()
 
 
@@ -328,8 +420,3 @@ def _apply_launcher_state(attempt: Attempt, payload: dict) -> None:
         )
     except ValueError as error:
         log.warning("launcher reported state %r for %s, kept %s: %s", target, attempt, attempt.state, error)
-
-
-def _chunks(items: list, size: int = ROWS_PER_STATEMENT // 5):
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
