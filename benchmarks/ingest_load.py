@@ -315,6 +315,8 @@ class Batch:
 @dataclass
 class Stats:
     latencies: list[float] = field(default_factory=list)
+    # When each of them ended, in seconds since the load started.
+    latency_ends: list[float] = field(default_factory=list)
     delivery_delays: list[float] = field(default_factory=list)
     generation_lags: list[float] = field(default_factory=list)
     outcomes: collections.Counter = field(default_factory=collections.Counter)
@@ -443,6 +445,7 @@ class Rank:
             if status == 200:
                 finished = time.monotonic()
                 stats.latencies.append(finished - started)
+                stats.latency_ends.append(finished - self.load.started)
                 stats.delivery_delays.append(delay := time.time() - batch.generated)
                 stats.acked_within_period += delay <= 1.0 / self.load.args.rate
                 stats.acked_in_window += finished < self.load.window_end
@@ -586,6 +589,13 @@ async def one_request_at_a_time(load: Load, rank: Rank) -> dict:
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
+def latency_by_window(stats: Stats, window_s: float = 10.0) -> str:
+    windows = collections.defaultdict(list)
+    for latency, end in zip(stats.latencies, stats.latency_ends, strict=True):
+        windows[int(end // window_s)].append(latency)
+    return ", ".join(f"{percentile(windows[index], 0.95) * 1000:,.0f}" for index in sorted(windows)) + " ms"
+
+
 def rate(count: float, seconds: float) -> str:
     return f"{count:,.0f} ({count / seconds:,.0f}/s)"
 
@@ -617,6 +627,7 @@ def report(
         ("client backlog, largest sampled", f"{max(stats.backlog, default=0):,} batches"),
         ("last event stored at", f"{stored['last_received_s']:.1f} s (the load ended at {window:g} s)"),
         ("request latency p50 / p95 / p99", " / ".join(f"{value:,.0f} ms" for value in latency)),
+        ("request latency p95 by 10 s of the load", latency_by_window(stats)),
         ("generated → acknowledged p50 / p95 / max", " / ".join(f"{value:,.2f} s" for value in delays)),
         ("answers other than 200", errors),
         ("retries answered duplicate", f"{stats.duplicates:,}"),

@@ -5,6 +5,8 @@ Every answer starts with the run's last_seq read before the rows: a page draws t
 the events after that seq, and a point in both is the same (attempt, rank, step), drawn once.
 """
 
+import functools
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -256,10 +258,19 @@ def comm(run: Run, number: int | None = None, start: int | None = None, end: int
         "predicted_error": "",
     }
     try:
-        answer["predicted"] = _matrix(predicted_rows(config), world, block, 1)
+        answer["predicted"] = _predicted_matrix(json.dumps(attempt.config, sort_keys=True), block)
     except ValueError as error:
         answer["predicted_error"] = str(error)
     return answer
+
+
+@functools.lru_cache(maxsize=16)
+def _predicted_matrix(config_json: str, block: int) -> dict:
+    """The planner's matrix for a layout: an attempt's config never changes, and at 1,024 ranks the
+    prediction costs ~100 ms of CPU that a page following the run would otherwise ask for every few
+    seconds, on the process that also serves ingest. Callers must not change the answer."""
+    config = parse_config(json.loads(config_json))
+    return _matrix(predicted_rows(config), config.parallel.world_size, block, 1)
 
 
 def _windows(comm_events) -> list[list[int]]:
