@@ -9,9 +9,9 @@ events themselves are not seeded: the page never reads them (it reads RankStep/R
 before its snapshot by kind, through an index).
 
 Then the web process is started as `bin/up` starts it, and in headless Chromium (Playwright, Debian's
-chromium) a logged-in user opens the run page; reported: each chart API's answer time as the page's own
-requests saw them, and the time from navigation to every Plotly chart on the page holding data, median of
-`--loads` loads.
+chromium, benchmarks/browser.py) a logged-in user opens the run page `--loads` times; reported (medians): the
+time from navigation to the page's snapshot drawn (page_load below), then to the traffic matrix drawn, and
+each API answer's time as the page's own requests saw them.
 
     DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test .venv/bin/python benchmarks/run_page_load.py
     DATABASE_URL=… .venv/bin/python benchmarks/run_page_load.py --ranks 128 --steps 2000    # quick
@@ -28,10 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ingest_load import Platform, run_config  # noqa: E402 — the benchmarks folder is on the path only now
+from browser import logged_in_page  # noqa: E402 — the benchmarks folder is on the path only now
+from ingest_load import Platform, run_config  # noqa: E402
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"]
 PASSWORD = "bench-password"
 SLOW_RANK = 77
 
@@ -79,7 +78,7 @@ with connection.cursor() as cursor:
         [attempt.pk, steps, ranks],
     )
     cursor.execute("ANALYZE")
-rows = json.loads(os.environ["BENCH_COMM"])
+rows = json.loads(open(os.environ["BENCH_COMM_FILE"]).read())
 ref = AttemptRef(attempt.pk, attempt.number, run.pk)
 comm = [
     pending_batch(ref, row["rank"], 0, [{"kind": "comm", "time": time.time(), "step": steps,
@@ -94,24 +93,29 @@ print(json.dumps({"run": run.pk, "seed_steps_s": seeded_steps, "seed_all_s": tim
 
 def page_load(page, url: str, path: str) -> dict:
     """Open the run page. Timed from navigation: the page holding its snapshot (every chart's answer in and
-    the events up to it applied: `window.loomRun.snapshotSeq` set) and drawn (the next animation frame,
-    where the page draws); then the traffic matrix, which the page loads beside the snapshot without
-    waiting for it. Also each API answer's time as the page's own requests saw it."""
+    the events up to it applied: `window.loomRun.snapshotSeq` set) with the rank × step heatmap and both
+    per-rank panels drawn (the page records a panel when it draws it); then the traffic matrix, which the
+    page loads beside the snapshot without waiting for it. Also each API answer's time as the page's own
+    requests saw it."""
     answers = {}
 
-    def answered(response):
-        if "/api/" in response.url:
-            timing = response.request.timing
-            answers[response.url.split("/api/", 1)[1].split("?")[0]] = timing["responseEnd"]
+    def answered(request):
+        if "/api/" in request.url:
+            answers[request.url.split("/api/", 1)[1].split("?")[0]] = request.timing["responseEnd"]
 
-    page.on("response", answered)
+    page.on("requestfinished", answered)
     page.goto(f"{url}{path}", wait_until="commit")
-    page.wait_for_function("() => window.loomRun && window.loomRun.snapshotSeq !== undefined", timeout=120_000)
-    drawn = page.evaluate("() => new Promise((resolve) => requestAnimationFrame(() => resolve(performance.now())))")
-    heatmap_columns = page.evaluate("() => window.loomRun.panels.heatmap?.steps ?? 0")
-    page.wait_for_function("() => window.loomRun.panels.comm !== null", timeout=120_000)
-    comm = page.evaluate("() => new Promise((resolve) => requestAnimationFrame(() => resolve(performance.now())))")
-    page.remove_listener("response", answered)
+    page.wait_for_function(
+        """() => window.loomRun && window.loomRun.snapshotSeq !== undefined && window.loomRun.panels.heatmap !== null
+            && Object.keys(window.loomRun.panels.ranks).length === 2""",
+        polling="raf",
+        timeout=120_000,
+    )
+    drawn = page.evaluate("performance.now()")
+    heatmap_columns = page.evaluate("() => window.loomRun.panels.heatmap.steps")
+    page.wait_for_function("() => window.loomRun.panels.comm !== null", polling="raf", timeout=120_000)
+    comm = page.evaluate("performance.now()")
+    page.remove_listener("requestfinished", answered)
     return {"drawn_ms": drawn, "comm_ms": comm, "heatmap_columns": heatmap_columns, "answers_ms": answers}
 
 
@@ -132,6 +136,9 @@ def main() -> None:
     comm_rows = predicted_rows(parse_config(config), cluster)
     with tempfile.TemporaryDirectory(prefix="loom-page-bench-") as home:
         platform = Platform(Path(home), "postgres", debug=False, limit_concurrency=None)
+        # A 1,024-rank world's rows are too long for an environment variable.
+        comm_file = Path(home) / "comm_rows.json"
+        comm_file.write_text(json.dumps(comm_rows))
         platform.create_database()
         try:
             platform.start()
@@ -143,7 +150,7 @@ def main() -> None:
                     BENCH_SLOW=str(SLOW_RANK),
                     BENCH_PASSWORD=PASSWORD,
                     BENCH_CONFIG=json.dumps(config),
-                    BENCH_COMM=json.dumps(comm_rows),
+                    BENCH_COMM_FILE=str(comm_file),
                 )
                 .strip()
                 .splitlines()[-1]
@@ -154,14 +161,7 @@ def main() -> None:
             )
             path = f"/runs/{seeded['run']}/"
             with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                context = browser.new_context(viewport={"width": 1400, "height": 1000})
-                page = context.new_page()
-                page.goto(f"{platform.url}/login/")
-                page.fill("#id_username", "bench")
-                page.fill("#id_password", PASSWORD)
-                page.click("button:has-text('Log in')")
-                page.wait_for_url(f"{platform.url}/")
+                browser, page = logged_in_page(playwright, platform.url, "bench", PASSWORD)
                 loads = [page_load(page, platform.url, path) for _ in range(args.loads)]
                 browser.close()
         finally:
