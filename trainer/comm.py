@@ -175,6 +175,7 @@ class CollectiveCapture:
         self._records: list[tuple[CommOp, _Timing]] = []
         self._pending_waits: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._group_ranks: dict[str, tuple[int, ...]] = {}
+        self._poller = _CompletionPoller()
 
     def __enter__(self) -> CollectiveCapture:
         if not self._libraries:
@@ -191,8 +192,10 @@ class CollectiveCapture:
         for library in self._libraries:
             library._destroy()
         self._libraries = []
+        self._poller.stop()
 
     def take(self) -> list[tuple[CommOp, _Timing]]:
+        self._poller.poll()
         with self._lock:
             records, self._records = self._records, []
         return records
@@ -228,7 +231,7 @@ class CollectiveCapture:
             if completes_at_wait:
                 self._await_wait(output, timing)
             else:
-                _time_work(output, timing)
+                _time_work(output, timing, self._poller)
             return output
 
         return kernel
@@ -270,14 +273,69 @@ class CollectiveCapture:
         return ranks
 
 
-def _time_work(output: Any, timing: _Timing) -> None:
+class _CompletionPoller:
+    """Completes the timings of ops whose Work has no future (gloo's send and recv) from a thread of its
+    own, which asks each pending Work whether it has completed every POLL_S while any is pending; a
+    pipeline stage's wait for its neighbour is then measured too. A timing is late by up to POLL_S."""
+
+    POLL_S = 0.001
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Any, _Timing]] = []
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def watch(self, work: Any, timing: _Timing) -> None:
+        with self._lock:
+            self._pending.append((work, timing))
+            if self._thread is None:
+                self._stopped = False
+                self._thread = threading.Thread(target=self._loop, name="comm-completion-poller", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def poll(self) -> None:
+        """Complete every pending timing whose Work has completed; called by the thread, and before a step's
+        records are taken so a Work that completed since the last poll is not left untimed."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        waiting = []
+        for work, timing in pending:
+            if work.is_completed():
+                timing.complete()
+            else:
+                waiting.append((work, timing))
+        with self._lock:
+            self._pending += waiting
+            if not self._pending:
+                self._wake.clear()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._thread = None
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._wake.wait()
+            self.poll()
+            time.sleep(self.POLL_S)
+
+
+def _time_work(output: Any, timing: _Timing, poller: _CompletionPoller) -> None:
     """Complete the timing when the c10d op's Work does."""
     work = output[-1] if isinstance(output, tuple) else output
     if not isinstance(work, torch.ScriptObject):
         return
-    with contextlib.suppress(RuntimeError):
-        # Works without a future (gloo's send and recv) leave the op untimed.
-        dist.distributed_c10d.Work.unbox(work).get_future().add_done_callback(timing.complete)
+    work = dist.distributed_c10d.Work.unbox(work)
+    try:
+        work.get_future().add_done_callback(timing.complete)
+    except RuntimeError:
+        # gloo's send and recv have no future.
+        poller.watch(work, timing)
 
 
 class CommRecorder:
@@ -296,8 +354,9 @@ class CommRecorder:
     def _start_window(self) -> None:
         self._row = TrafficRow(self.rank, self.world_size)
         self._steps: list[int] = []
-        # Issue to completion, summed over the ops that report completion (overlapping ops each
-        # count in full): c10d ops whose Work has a future, functional collectives once waited on.
+        # Issue to completion, summed over the ops (overlapping ops each count in full): c10d ops when
+        # their Work's future completes (or, without one, when the Work says it has), functional
+        # collectives once waited on.
         self._time_s = 0.0
 
     def recording(self) -> contextlib.AbstractContextManager:
@@ -305,14 +364,18 @@ class CommRecorder:
         entry installs the dispatcher kernels; flush() takes them out."""
         return self._capture
 
-    def step_finished(self, step: int) -> None:
-        """Fold the step's ops into the window (so memory stays one step's worth), and emit a full window."""
+    def step_finished(self, step: int) -> float:
+        """Fold the step's ops into the window (so memory stays one step's worth), and emit a full window.
+        Returns the step's seconds in collectives (issue to completion, summed as the window's time_s)."""
+        step_s = 0.0
         for op, timing in self._capture.take():
             self._row.add(op, self._kind(op.group))
-            self._time_s += timing.duration_s or 0.0
+            step_s += timing.duration_s or 0.0
+        self._time_s += step_s
         self._steps.append(step)
         if len(self._steps) >= self.window_steps:
             self._emit_window()
+        return step_s
 
     def flush(self) -> None:
         """The run's steps are over: remove the dispatcher kernels and emit the window so far, if it holds any step."""
@@ -340,7 +403,7 @@ class NoCommRecorder:
         return contextlib.nullcontext()
 
     def step_finished(self, step: int) -> None:
-        pass
+        """Nothing is recorded: no collective time to report."""
 
     def flush(self) -> None:
         pass

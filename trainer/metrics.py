@@ -75,3 +75,11 @@ def memory(device: torch.device) -> dict[str, int]:
     # ru_maxrss is in KiB on Linux and only updated now and then, so it can trail the current size.
     peak = max(resident, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"memory_rss": resident, "memory_peak_rss": peak}
+
+
+def own_work(step_time_s: float, comm_s: float) -> dict[str, float]:
+    """The step split by the collective recorder: seconds in collectives (issue to completion, summed; ops
+    that overlap each count in full) and the rest, the rank's own work. A rank the others wait for spends
+    the least in collectives and has the most own work, so it stands out where step times, equal across
+    ranks that synchronise every step, do not."""
+    return {"comm_s": comm_s, "compute_s": max(0.0, step_time_s - comm_s)}

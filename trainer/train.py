@@ -31,7 +31,7 @@ from trainer.checkpoint import Checkpointer, checkpoint_root
 from trainer.comm import comm_recorder
 from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
 from trainer.data import WindowSampler
-from trainer.metrics import memory, mfu, model_flops_per_token, peak_flops, state_bytes
+from trainer.metrics import memory, mfu, model_flops_per_token, own_work, peak_flops, state_bytes
 from trainer.model import Transformer
 from trainer.parallel.apply import ParallelModel, parallelize
 from trainer.parallel.grads import clip_gradients
@@ -258,8 +258,10 @@ def train(
                 metrics["loss"] = local_loss
             if step == first_step:
                 metrics |= state_bytes(parameters, optimizer)
+            comm_s = comm.step_finished(step)
+            if comm_s is not None:
+                metrics |= own_work(step_time, comm_s)
             telemetry.emit("metric", metrics, step=step)
-            comm.step_finished(step)
             print(
                 f"rank {launch.rank} step {step}/{config.steps} loss {metrics.get('loss', float('nan')):.4f} "
                 f"mean {metrics['loss_mean']:.4f} grad_norm {norm:.3f} lr {lr:.2e} "

@@ -53,17 +53,24 @@ window.loomRunCharts = (page, run, requestFrame) => {
       value: (payload) => payload.memory_allocated ?? payload.memory_rss,
     },
   };
+  // Pale for fast, dark red for slow: a straggler is the darkest stripe.
+  const SLOW_COLOURS = [
+    [0, "#fff7ec"],
+    [0.4, "#fdbb84"],
+    [0.75, "#e34a33"],
+    [1, "#7f0000"],
+  ];
   const HEATMAP = {
     step_time_s: {
       unit: "s",
       hover: "%{z:.3f} s",
-      // Pale for fast, dark red for slow: a straggler is the darkest stripe.
-      colorscale: [
-        [0, "#fff7ec"],
-        [0.4, "#fdbb84"],
-        [0.75, "#e34a33"],
-        [1, "#7f0000"],
-      ],
+      colorscale: SLOW_COLOURS,
+    },
+    // The step minus its collectives: the rank the others wait for has the most.
+    compute_s: {
+      unit: "s",
+      hover: "%{z:.3f} s own work",
+      colorscale: SLOW_COLOURS,
     },
     memory_bytes: {
       unit: "bytes",

@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.hybrid import hybrid_config
 from tests.trainer.torchrun import run_trainer
 from trainer.config import parse_config
 from trainer.plan.traffic import predicted_matrix
@@ -10,14 +11,7 @@ from trainer.traffic import traffic_matrix
 pytestmark = pytest.mark.slow
 
 STEPS = 3
-HYBRID_RUN = {
-    "steps": STEPS,
-    "model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 64},
-    "parallel": {"pp": 2, "dp_shard": 2, "tp": 2, "microbatches": 2},
-    "compute": {"precision": "fp32"},
-    "data": {"micro_batch": 4, "corpus_bytes": 200_000},
-    "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60, "comm": True, "comm_window_steps": 1},
-}
+HYBRID_RUN = hybrid_config(STEPS, comm_window_steps=1)
 KINDS = ("tp", "dp", "pp")
 
 

@@ -100,12 +100,20 @@ def test_metrics_become_rank_steps_and_tiles_that_keep_sums_and_extremes(platfor
     sender = BatchSender(attempt)
     # Rank 1 is slow at step 70, and its batches arrive in two transactions for the same tiles.
     times = {step: (0.9 if step == 70 else 0.1 + step / 1000) for step in range(60, 80)}
-    sender.send(1, *[metric(step, times[step], 1000 + step) for step in range(60, 70)])
-    sender.send(1, *[metric(step, times[step], 1000 + step) for step in range(70, 80)])
+    # Own work (the step minus its collectives) where the recorder reported it: even steps only.
+    compute = {step: times[step] / 2 for step in times if step % 2 == 0}
+
+    def rank_1(step: int) -> dict:
+        extra = {"compute_s": compute[step]} if step in compute else {}
+        return metric(step, times[step], 1000 + step, **extra)
+
+    sender.send(1, *[rank_1(step) for step in range(60, 70)])
+    sender.send(1, *[rank_1(step) for step in range(70, 80)])
     sender.send(0, metric(60, 0.5, 7, loss="NaN", mfu=0.4))
 
     row = RankStep.objects.get(attempt=attempt, rank=0, step=60)
-    assert (row.loss, row.mfu, row.step_time_s, row.memory_bytes) == (None, 0.4, 0.5, 7)
+    assert (row.loss, row.mfu, row.step_time_s, row.memory_bytes, row.compute_s) == (None, 0.4, 0.5, 7, None)
+    assert RankStep.objects.get(attempt=attempt, rank=1, step=70).compute_s == pytest.approx(0.45)
     assert row.loss_mean == pytest.approx(3.4)
     assert RankStep.objects.filter(attempt=attempt, rank=1).count() == 20
 
@@ -119,6 +127,8 @@ def test_metrics_become_rank_steps_and_tiles_that_keep_sums_and_extremes(platfor
             assert tile.step_time_max == pytest.approx(max(times[s] for s in steps))
             assert tile.step_time_min == pytest.approx(min(times[s] for s in steps))
             assert (tile.memory_min, tile.memory_max) == (1000 + min(steps), 1000 + max(steps))
+            assert tile.compute_sum == pytest.approx(sum(compute[s] for s in steps if s in compute))
+            assert tile.compute_max == pytest.approx(max(compute[s] for s in steps if s in compute))
     (spike,) = RankTile.objects.filter(attempt=attempt, span=8, rank=1, bucket=70 // 8)
     assert spike.step_time_max == pytest.approx(0.9)
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tests.hybrid import WORLD, hybrid_config, kind_of_pair
 from trainer.comm import CollectiveCapture, CommRecorder, NoCommRecorder, comm_recorder, hook_installed
 from trainer.config import ParallelConfig, TelemetryConfig, parse_config
 from trainer.model import Transformer
@@ -344,29 +345,7 @@ def test_switched_off_no_kernel_is_registered(one_rank_world):
 
 # ---------------------------------------------------------------- real runs
 
-# seq_len 64, not the equivalence tests' 32: TP moves activations (∝ tokens) and FSDP moves parameters
-# (fixed), and at 32 tokens this tiny model's FSDP traffic outweighs its TP traffic.
-HYBRID_RUN = {
-    "steps": 3,
-    "model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 64},
-    "parallel": {"pp": 2, "dp_shard": 2, "tp": 2, "microbatches": 2},
-    "compute": {"precision": "fp32"},
-    "data": {"micro_batch": 4, "corpus_bytes": 200_000},
-    "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60, "comm_window_steps": 3},
-}
-WORLD = 8
-
-
-def coordinates(rank: int) -> tuple[int, int, int]:
-    """(pp, dp, tp) of a rank in HYBRID_RUN's mesh, tp innermost."""
-    return rank // 4, rank // 2 % 2, rank % 2
-
-
-def kind_of_pair(source: int, destination: int) -> str | None:
-    """The mesh dim two ranks share a group on, or None when they differ in more than one coordinate."""
-    pairs = zip(("pp", "dp", "tp"), coordinates(source), coordinates(destination), strict=True)
-    differing = [dim for dim, a, b in pairs if a != b]
-    return differing[0] if len(differing) == 1 else None
+HYBRID_RUN = hybrid_config(steps=3, comm_window_steps=3)
 
 
 @pytest.fixture(scope="module")

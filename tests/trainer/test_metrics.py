@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from trainer.config import ModelConfig
-from trainer.metrics import memory, mfu, model_flops_per_token, peak_flops
+from trainer.metrics import memory, mfu, model_flops_per_token, own_work, peak_flops
 
 
 def test_flops_per_token_follows_the_stated_convention():
@@ -25,3 +25,9 @@ def test_cpus_have_no_peak_and_report_resident_memory():
     assert after["memory_rss"] - before["memory_rss"] >= 60 * 1024 * 1024
     assert after["memory_peak_rss"] >= after["memory_rss"]
     del ballast
+
+
+def test_own_work_is_the_step_outside_its_collectives_and_never_negative():
+    assert own_work(0.5, 0.2) == pytest.approx({"comm_s": 0.2, "compute_s": 0.3})
+    # Collectives that overlap each other (or the rank's work) can sum past the step.
+    assert own_work(0.5, 0.7) == {"comm_s": 0.7, "compute_s": 0.0}

@@ -77,12 +77,18 @@ def test_every_rank_reports_a_metric_for_every_step(torchrun):
         assert steps == list(range(1, STEPS + 1))
     expected = {"loss", "loss_mean", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tokens", "mfu"}
     expected |= {"memory_rss", "memory_peak_rss"}
+    # The collective recorder is on by default: the step split into collectives and the rank's own work.
+    expected |= {"comm_s", "compute_s"}
     state_bytes = {"parameter_bytes", "gradient_bytes", "optimizer_bytes"}
     for _, event in metrics:
         # Model-state bytes do not change from step to step: the first step reports them once.
         assert set(event["payload"]) == expected | (state_bytes if event["step"] == 1 else set())
     assert all(event["payload"]["mfu"] is None for _, event in metrics), "no peak FLOP/s is known for a CPU"
     assert all(0 < event["payload"]["memory_rss"] <= event["payload"]["memory_peak_rss"] for _, event in metrics)
+    for _, event in metrics:
+        payload = event["payload"]
+        assert payload["comm_s"] > 0 and payload["compute_s"] >= 0
+        assert payload["compute_s"] == pytest.approx(max(0.0, payload["step_time_s"] - payload["comm_s"]))
     last = [event["payload"] for _, event in metrics if event["step"] == STEPS]
     assert last[0]["loss_mean"] == pytest.approx(last[1]["loss_mean"])
     assert last[0]["loss_mean"] == pytest.approx((last[0]["loss"] + last[1]["loss"]) / 2, rel=1e-5)

@@ -22,7 +22,7 @@ from .models import Event, RankStatus, RankStep, RankTile
 from .store import TILE_SPANS
 
 SERIES = ("loss_mean", "grad_norm", "lr", "tokens_per_s", "mfu")
-RANK_METRICS = {"step_time_s": "step_time", "memory_bytes": "memory"}
+RANK_METRICS = {"step_time_s": "step_time", "memory_bytes": "memory", "compute_s": "compute"}
 # Attempts with more ranks than this get a band (min/median/max over ranks) unless ranks are picked.
 LINE_RANKS_MAX = 8
 # Rank × bucket cells one heatmap or band reads and sends at most: 1,024 ranks get ~250 columns.

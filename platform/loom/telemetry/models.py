@@ -80,6 +80,9 @@ class RankStep(models.Model):
     mfu = models.FloatField(null=True)
     memory_bytes = models.BigIntegerField(null=True, help_text="CUDA allocated bytes, or resident set on CPUs.")
     memory_peak_bytes = models.BigIntegerField(null=True)
+    compute_s = models.FloatField(
+        null=True, help_text="The step minus its collectives: the rank's own work (with the collective recorder on)."
+    )
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["attempt", "rank", "step"], name="rank_step_unique")]
@@ -89,7 +92,7 @@ class RankStep(models.Model):
 
 
 class RankTile(models.Model):
-    """Per rank, a run of `span` steps summed up (count, sum, min, max of step time and memory),
+    """Per rank, a run of `span` steps summed up (count, sum, min, max of step time, memory and own work),
     kept as metrics arrive: a heatmap or band over 100,000 steps reads a few hundred tiles per rank
     instead of every step, and a spike survives as its tile's max."""
 
@@ -104,6 +107,9 @@ class RankTile(models.Model):
     memory_sum = models.FloatField(null=True)
     memory_min = models.BigIntegerField(null=True)
     memory_max = models.BigIntegerField(null=True)
+    compute_sum = models.FloatField(null=True)
+    compute_min = models.FloatField(null=True)
+    compute_max = models.FloatField(null=True)
 
     class Meta:
         constraints = [

@@ -72,8 +72,12 @@ RANK_STEPS = bulk.Table(
         ("mfu", "float8"),
         ("memory_bytes", "bigint"),
         ("memory_peak_bytes", "bigint"),
+        ("compute_s", "float8"),
     ),
 )
+RANK_STEP_COLUMNS = [name for name, _ in RANK_STEPS.columns]
+# RankStep column → the RankTile columns' prefix ({prefix}_sum, _min, _max).
+TILED_METRICS = (("step_time_s", "step_time"), ("memory_bytes", "memory"), ("compute_s", "compute"))
 RANK_TILES = bulk.Table(
     "telemetry_ranktile",
     (
@@ -88,6 +92,9 @@ RANK_TILES = bulk.Table(
         ("memory_sum", "float8"),
         ("memory_min", "bigint"),
         ("memory_max", "bigint"),
+        ("compute_sum", "float8"),
+        ("compute_min", "float8"),
+        ("compute_max", "float8"),
     ),
 )
 RANK_STATUS = bulk.Table(
@@ -280,6 +287,7 @@ def rank_step_row(run_id: int, attempt_id: int, rank: int, step: int, time, payl
         _number(payload.get("mfu")),
         _whole(memory),
         _whole(memory_peak),
+        _number(payload.get("compute_s")),
     )
 
 
@@ -296,43 +304,37 @@ def _project(events: list[StoredEvent]) -> None:
 
 
 class _TileSum:
-    __slots__ = ("count", "time_sum", "time_min", "time_max", "memory_sum", "memory_min", "memory_max")
+    """count, then (sum, min, max) of each tiled metric, in RANK_TILES' column order."""
+
+    __slots__ = ("count", "stats")
 
     def __init__(self):
         self.count = 0
-        self.time_sum = self.time_min = self.time_max = None
-        self.memory_sum = self.memory_min = self.memory_max = None
+        self.stats = [[None, None, None] for _ in TILED_METRICS]
 
-    def add(self, step_time: float | None, memory: int | None) -> None:
+    def add(self, values: tuple) -> None:
         self.count += 1
-        if step_time is not None:
-            self.time_sum = (self.time_sum or 0.0) + step_time
-            self.time_min = step_time if self.time_min is None else min(self.time_min, step_time)
-            self.time_max = step_time if self.time_max is None else max(self.time_max, step_time)
-        if memory is not None:
-            self.memory_sum = (self.memory_sum or 0.0) + memory
-            self.memory_min = memory if self.memory_min is None else min(self.memory_min, memory)
-            self.memory_max = memory if self.memory_max is None else max(self.memory_max, memory)
+        for stat, value in zip(self.stats, values, strict=True):
+            if value is None:
+                continue
+            stat[0] = (stat[0] or 0.0) + value
+            stat[1] = value if stat[1] is None else min(stat[1], value)
+            stat[2] = value if stat[2] is None else max(stat[2], value)
 
     def values(self) -> tuple:
-        return (
-            self.count,
-            self.time_sum,
-            self.time_min,
-            self.time_max,
-            self.memory_sum,
-            self.memory_min,
-            self.memory_max,
-        )
+        return (self.count, *(value for stat in self.stats for value in stat))
 
 
 def _add_to_tiles(steps: list[tuple]) -> None:
     """Fold the steps into every tile level: summed in Python first (one statement may not update a
     row twice), then added to what each tile holds."""
+    positions = [RANK_STEP_COLUMNS.index(column) for column, _ in TILED_METRICS]
+    attempt_at, rank_at, step_at = (RANK_STEP_COLUMNS.index(name) for name in ("attempt_id", "rank", "step"))
     tiles: dict[tuple[int, int, int, int], _TileSum] = defaultdict(_TileSum)
-    for _run, attempt_id, rank, step, _time, *_values, step_time, _tokens, _mfu, memory, _peak in steps:
+    for row in steps:
+        values = tuple(row[position] for position in positions)
         for span in TILE_SPANS:
-            tiles[(attempt_id, span, step // span, rank)].add(step_time, memory)
+            tiles[(row[attempt_at], span, row[step_at] // span, row[rank_at])].add(values)
     if not tiles:
         return
     table = RANK_TILES.name
@@ -345,14 +347,11 @@ def _add_to_tiles(steps: list[tuple]) -> None:
         return f"{column} = COALESCE({joined}, {current}, {new})"
 
     updates = ", ".join(
-        [
-            f"count = {table}.count + excluded.count",
-            combined("step_time_sum", "sum"),
-            combined("step_time_min", least),
-            combined("step_time_max", greatest),
-            combined("memory_sum", "sum"),
-            combined("memory_min", least),
-            combined("memory_max", greatest),
+        [f"count = {table}.count + excluded.count"]
+        + [
+            combined(f"{prefix}_{stat}", how)
+            for _, prefix in TILED_METRICS
+            for stat, how in (("sum", "sum"), ("min", least), ("max", greatest))
         ]
     )
     rows = [(*key, *tile.values()) for key, tile in sorted(tiles.items())]
