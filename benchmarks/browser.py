@@ -59,7 +59,7 @@ class RunPageFollower:
                 errors = []
                 page.on("pageerror", lambda error: errors.append(str(error)))
                 page.goto(f"{self.url}/runs/{self.run_id}/")
-                page.wait_for_function("() => window.loomRun && window.loomRun.snapshotSeq !== undefined")
+                page.wait_for_function("() => window.loomRun && window.loomRun.snapshotSeq !== null")
                 self._ready.set()
                 self._finish.wait()
                 page.wait_for_timeout(self._settle_ms)
@@ -77,4 +77,3 @@ class RunPageFollower:
         except BaseException as error:  # noqa: BLE001 — handed to the main thread, which raises it
             self._error = error
             self._ready.set()
-

@@ -35,6 +35,10 @@ event's emit (its `time`: here the moment its batch was cut and sent, so no flus
 frame that drew it, for the loss chart (a step's first report) and for the step-time band (every rank's
 point), with the websocket messages it received and the gaps it had to resync.
 
+With `--ingest-process` the ranks post to a second web process (the same application on a port of its own),
+so ingest shares its GIL and event loop with neither the page's websocket nor its chart requests; stored
+events reach the page's process through Redis. Server CPU and threads are then both processes' sums.
+
 `--limit-concurrency` passes uvicorn's limit on requests in flight (503 above it, retried by the client).
 
     .venv/bin/python benchmarks/ingest_load.py --ranks 64 --duration 10
@@ -136,6 +140,7 @@ with mock.patch.object(store, "publish"):
 print(json.dumps({name: statistics.median(values) for name, values in parts.items()}))
 """
 
+
 def run_loop(main: Coroutine) -> dict:
     """uvloop where it is installed (uvicorn brings it): the generator must not be the bottleneck."""
     try:
@@ -179,11 +184,16 @@ def comm_rows(config: dict, ranks: int) -> list[dict]:
 
 
 class Platform:
-    """The web process as `bin/up` starts it (no worker), in a home and on a database of its own."""
+    """The web process as `bin/up` starts it (no worker), in a home and on a database of its own; with
+    `ingest_process`, a second one (the same application) that the ranks post to, so ingest shares no
+    process with the page, its websocket and its chart requests (events reach the page through Redis)."""
 
-    def __init__(self, home: Path, database: str, debug: bool, limit_concurrency: int | None):
+    def __init__(
+        self, home: Path, database: str, debug: bool, limit_concurrency: int | None, ingest_process: bool = False
+    ):
         self.home = home
         self.port = free_port()
+        self.ingest_port = free_port() if ingest_process else self.port
         self.url = f"http://127.0.0.1:{self.port}"
         inherited = {key: value for key, value in os.environ.items() if key not in ("DATABASE_URL", "REDIS_URL")}
         self.env = {**inherited, "LOOM_HOME": str(home), "LOOM_URL": self.url, "LOOM_DEBUG": "1" if debug else "0"}
@@ -200,7 +210,7 @@ class Platform:
                 redis = urlparse(os.environ["REDIS_URL"])._replace(path=f"/{BENCH_REDIS_DB}").geturl()
                 self.env["REDIS_URL"] = redis
                 self.channel_layer = f"channels_redis ({redis})"
-        self.process: subprocess.Popen | None = None
+        self.processes: list[subprocess.Popen] = []
 
     def _postgres(self, statement: str) -> None:
         import psycopg
@@ -228,37 +238,49 @@ class Platform:
     def start(self) -> None:
         command = [sys.executable, "manage.py", "migrate", "--noinput"]
         subprocess.run(command, cwd=ROOT, env=self.env, check=True, capture_output=True)
-        web = [str(VENV_BIN / "uvicorn"), "loom.asgi:application", "--port", str(self.port), "--no-access-log"]
-        if self.limit_concurrency:
-            web += ["--limit-concurrency", str(self.limit_concurrency)]
-        log = open(self.home / "web.log", "wb")  # noqa: SIM115 — open for the process's lifetime
-        self.process = subprocess.Popen(web, cwd=ROOT, env=self.env, stdout=log, stderr=log)
+        ports = sorted({self.port, self.ingest_port}, key=lambda port: port != self.port)
+        for port, name in zip(ports, ("web", "ingest"), strict=False):
+            web = [str(VENV_BIN / "uvicorn"), "loom.asgi:application", "--port", str(port), "--no-access-log"]
+            if self.limit_concurrency:
+                web += ["--limit-concurrency", str(self.limit_concurrency)]
+            log = open(self.home / f"{name}.log", "wb")  # noqa: SIM115 — open for the process's lifetime
+            self.processes.append(subprocess.Popen(web, cwd=ROOT, env=self.env, stdout=log, stderr=log))
+            self._wait_for(f"http://127.0.0.1:{port}/login/", name)
+
+    def _wait_for(self, url: str, name: str) -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                urllib.request.urlopen(f"{self.url}/login/", timeout=2)
+                urllib.request.urlopen(url, timeout=2)
                 return
             except OSError:
                 time.sleep(0.2)
-        raise RuntimeError(f"the web server did not start; see {self.home / 'web.log'}")
+        raise RuntimeError(f"the {name} server did not start; see {self.home / f'{name}.log'}")
 
     def threads(self) -> int:
-        status = Path(f"/proc/{self.process.pid}/status").read_text()
-        return int(re.search(r"^Threads:\s+(\d+)", status, re.MULTILINE)[1])
+        total = 0
+        for process in self.processes:
+            status = Path(f"/proc/{process.pid}/status").read_text()
+            total += int(re.search(r"^Threads:\s+(\d+)", status, re.MULTILINE)[1])
+        return total
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total = 0
+        for process in self.processes:
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=60)
+        for process in self.processes:
+            process.terminate()
+            process.wait(timeout=60)
 
     def logged_errors(self) -> collections.Counter:
-        """The exceptions the web process logged (a traceback's last line), by text."""
-        log = self.home / "web.log"
-        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        """The exceptions the web processes logged (a traceback's last line), by text."""
+        lines = []
+        for log in (self.home / "web.log", self.home / "ingest.log"):
+            lines += log.read_text(errors="replace").splitlines() if log.exists() else []
         return collections.Counter(line[:200] for line in lines if LOGGED_ERROR.match(line))
 
 
@@ -488,7 +510,7 @@ class Load:
     def __init__(self, args: argparse.Namespace, platform: Platform, attempt: int, token: str, comm_rows: list[dict]):
         self.args = args
         self.platform = platform
-        self.port = platform.port
+        self.port = platform.ingest_port
         self.attempt = attempt
         self.token = token
         self.comm_rows = comm_rows
@@ -615,7 +637,11 @@ def report(
         ("backend", f"{args.database}; channel layer {platform.channel_layer}"),
         ("load", f"{args.ranks} ranks × {args.rate:g} Hz for {window:g} s; comm every {args.comm_every} steps"),
         ("connections", "one kept alive per rank" if args.keep_alive else "a new one per batch, as the trainer's"),
-        ("server", f"uvicorn, LOOM_DEBUG={int(args.debug)}, --limit-concurrency {args.limit_concurrency or 'none'}"),
+        (
+            "server",
+            f"uvicorn{' × 2 (ingest apart)' if args.ingest_process else ''}, LOOM_DEBUG={int(args.debug)}, "
+            f"--limit-concurrency {args.limit_concurrency or 'none'}",
+        ),
         ("batches offered", rate(stats.generated, window)),
         ("points offered", rate(stats.generated_points, window)),
         ("batches first sent during the load", rate(stats.first_sends_in_window, window)),
@@ -722,10 +748,17 @@ def main() -> None:
     parser.add_argument(
         "--follow", action="store_true", help="a user's headless Chromium follows the run page through the load"
     )
+    parser.add_argument(
+        "--ingest-process",
+        action="store_true",
+        help="ranks post to a second web process of their own (needs PostgreSQL and REDIS_URL)",
+    )
     args = parser.parse_args()
     args.database = args.database or ("postgres" if os.environ.get("DATABASE_URL") else "embedded")
     if args.database == "postgres" and not os.environ.get("DATABASE_URL"):
         parser.error("--database postgres needs DATABASE_URL=postgresql://…")
+    if args.ingest_process and not (args.database == "postgres" and os.environ.get("REDIS_URL")):
+        parser.error("--ingest-process needs PostgreSQL and REDIS_URL: the page's process hears ingest through Redis")
     if args.comm_every and args.ranks > MAX_RANKS:
         parser.error(f"comm rows come from the planner's matrix, which covers up to {MAX_RANKS} ranks; --comm-every 0")
     config = run_config(args.ranks)
@@ -735,7 +768,7 @@ def main() -> None:
     # Each rank holds a connection open; the server holds the other end.
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     with tempfile.TemporaryDirectory(prefix="loom-ingest-") as home:
-        platform = Platform(Path(home), args.database, args.debug, args.limit_concurrency)
+        platform = Platform(Path(home), args.database, args.debug, args.limit_concurrency, args.ingest_process)
         platform.create_database()
         try:
             platform.start()

@@ -106,7 +106,7 @@ def page_load(page, url: str, path: str) -> dict:
     page.on("requestfinished", answered)
     page.goto(f"{url}{path}", wait_until="commit")
     page.wait_for_function(
-        """() => window.loomRun && window.loomRun.snapshotSeq !== undefined && window.loomRun.panels.heatmap !== null
+        """() => window.loomRun && window.loomRun.snapshotSeq !== null && window.loomRun.panels.heatmap !== null
             && Object.keys(window.loomRun.panels.ranks).length === 2""",
         polling="raf",
         timeout=120_000,
@@ -179,6 +179,7 @@ def main() -> None:
     verdict = "meets" if median <= 2000 else "misses"
     print(f"{args.ranks:,} ranks × {args.steps:,} steps: page drawn in {median / 1000:.2f} s (median of "
           f"{len(drawn)}), {verdict} the 2 s goal; traffic matrix {statistics.median(comm) / 1000:.2f} s")  # fmt: skip
+
 
 if __name__ == "__main__":
     main()

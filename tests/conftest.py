@@ -104,7 +104,7 @@ def runs_dir(settings, tmp_path):
 def platform_server(transactional_db, settings, runs_dir):
     """The web platform alone (pages, API, ingest, websockets), serving the test database."""
     server = PlatformServer(free_port()).start()
-    settings.LOOM_URL = server.url
+    settings.LOOM_URL = settings.LOOM_INGEST_URL = server.url
     try:
         yield server
     finally:

@@ -135,8 +135,13 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
-# Where the launcher tells ranks to send telemetry: this platform's own ingest API.
+# This platform's own address.
 LOOM_URL = os.environ.get("LOOM_URL", "http://127.0.0.1:8000")
+# Where the launcher tells ranks (and itself) to send telemetry: a web process that serves only ingest
+# (docker/compose.yaml's `ingest`), so a 1,024-rank run's batches never queue behind pages' chart
+# requests; by default this platform's own ingest API. Apart, it needs REDIS_URL: the pages hear the
+# stored events through the channel layer.
+LOOM_INGEST_URL = os.environ.get("LOOM_INGEST_URL", LOOM_URL)
 LOOM_RUNS_DIR = Path(os.environ.get("LOOM_RUNS_DIR", LOOM_HOME / "runs"))
 LOOM_INGEST_MAX_BYTES = 1024 * 1024
 LOOM_INGEST_MAX_EVENTS = 5000

@@ -10,6 +10,7 @@ import pytest
 
 from loom.runs import states
 from loom.runs.models import Attempt, Run
+from loom.runs.services import create_run
 from loom.runs.tasks import launch_attempt
 from loom.telemetry.models import IngestBatch
 from trainer.telemetry import read_spool
@@ -66,6 +67,28 @@ def test_run_through_celery_trains_reports_every_step_and_ignores_a_second_deliv
     assert any("step 20/20" in line for line in logs["files"]["stdout.log"])
     detail = api(f"{live_platform.url}/api/runs/{run.pk}", token)
     assert detail["attempts"][0]["state"] == states.SUCCEEDED and detail["attempts"][0]["finished_at"]
+
+
+def test_ranks_and_the_launcher_report_to_an_ingest_process_of_its_own(live_platform, platform_user, settings):
+    """With LOOM_INGEST_URL set, telemetry goes there and nowhere else: the platform's own address is
+    made unreachable, and every step and state still arrives through the other server."""
+    ingest = PlatformServer(free_port()).start()
+    try:
+        settings.LOOM_INGEST_URL = ingest.url
+        settings.LOOM_URL = f"http://127.0.0.1:{free_port()}"
+        run = create_run(platform_user[0], "ingest apart", {**TINY_CONFIG, "steps": 5})
+        run = wait_for(
+            lambda: Run.objects.filter(pk=run.pk, state__in=states.TERMINAL).first(),
+            timeout=180,
+            message="the run to finish",
+        )
+    finally:
+        ingest.stop()
+    assert run.state == states.SUCCEEDED, run.attempts.get().failure_reason
+    for rank in (0, 1):
+        assert metric_steps(run, rank) == list(range(1, 6))
+    launcher_states = [e.payload["state"] for e in run.events.filter(kind="state", rank=-1).order_by("seq")]
+    assert launcher_states == [states.STARTING, states.RUNNING, states.SUCCEEDED]
 
 
 def finished_ranks(spool) -> set[int]:

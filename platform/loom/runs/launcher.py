@@ -70,7 +70,7 @@ def launch(attempt_id: int) -> str:
     (work_dir / "logs").mkdir(parents=True, exist_ok=True)
     Attempt.objects.filter(pk=attempt.pk).update(work_dir=str(work_dir))
     reporter = TelemetryClient(
-        url=settings.LOOM_URL,
+        url=settings.LOOM_INGEST_URL,
         token=token,
         attempt=attempt.pk,
         rank=LAUNCHER_RANK,
@@ -108,7 +108,8 @@ def _spawn(attempt: Attempt, token: str, work_dir: Path) -> subprocess.Popen:
     ]  # fmt: skip
     env = {
         **os.environ,
-        "LOOM_URL": settings.LOOM_URL,
+        # The trainer's LOOM_URL is where it sends telemetry.
+        "LOOM_URL": settings.LOOM_INGEST_URL,
         "LOOM_TOKEN": token,
         "LOOM_ATTEMPT": str(attempt.pk),
         "LOOM_SPOOL_DIR": str(work_dir / "spool"),
@@ -228,7 +229,7 @@ def _outcome(exit_code: int, stopped_by: str | None, work_dir: Path) -> tuple[st
 def _finish(reporter, attempt, work_dir, token, outcome: str, exit_code: int | None, failure: Failure | None) -> str:
     """Deliver what ranks left spooled (checkpoint commits included, which a restart needs), then the
     final state; record the end directly if the platform is unreachable."""
-    ranks_left = deliver_spool(work_dir / "spool", settings.LOOM_URL, token, DELIVERY_DEADLINE_S)
+    ranks_left = deliver_spool(work_dir / "spool", settings.LOOM_INGEST_URL, token, DELIVERY_DEADLINE_S)
     reason = ""
     if failure is not None:
         reason = failure.reason if exit_code is None else f"torchrun exited with code {exit_code}\n{failure.reason}"
