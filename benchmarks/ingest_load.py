@@ -697,10 +697,13 @@ def page_rows(page: dict, stored: dict) -> list[tuple[str, str]]:
         figures = " / ".join(f"{percentile(values, q):,.0f} ms" for q in (0.5, 0.95, 0.99))
         rows.append((f"emit → drawn p50 / p95 / p99, {name}", f"{figures} over {len(values):,} points"))
     rows += [
-        ("page: websocket messages / events in them", f"{socket['messages']:,} / {socket['events']:,}"),
+        (
+            "page: websockets opened / messages / events in them",
+            f"{socket['opened']:,} / {socket['messages']:,} / {socket['events']:,}",
+        ),
         ("page: gaps resynced / events fetched to fill them", f"{socket['gaps']:,} / {fetched['events']:,}"),
         ("page: last seq applied / events stored", f"{page['lastSeq']:,} / {stored['events']:,}"),
-        ("page: script errors", "; ".join(page["errors"]) or "none"),
+        ("page: notice shown at the end", page["notice"] or "none"),
     ]
     return rows
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import uvicorn
 from celery.contrib.testing.worker import start_worker
+from channels.layers import channel_layers
 from django.conf import settings
 
 from loom.accounts.services import create_api_token, ensure_user
@@ -58,6 +59,10 @@ class PlatformServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        # The channel layer is a process-wide object whose receive belongs to one event loop: a consumer
+        # still waiting on this server's loop (channels_redis blocks up to its read timeout) would make
+        # the next test's server refuse every receive as from "two event loops at once".
+        channel_layers.backends.clear()
 
 
 @dataclass

@@ -112,8 +112,17 @@ WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
 REDIS_URL = os.environ.get("REDIS_URL", "")
+# channels_redis waits for a consumer's next message with a blocking BZPOPMIN of 5 s; redis-py 8 gives every
+# read a 5 s socket timeout by default, which tears an idle consumer (a run page's socket) down every 5 s.
+# Reads wait longer than the blocking pop, and a dead Redis is still noticed.
+CHANNEL_LAYER_READ_TIMEOUT_S = 30
 if REDIS_URL:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S}]},
+        }
+    }
     CELERY_BROKER_URL = REDIS_URL
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}

@@ -11,6 +11,9 @@ from loom.telemetry.services import ingest_batch
 
 from .helpers import batch, claimed_run
 
+# Longer than channels_redis' blocking read (BZPOPMIN, 5 s) and redis-py 8's default socket timeout (5 s).
+IDLE_S = 12
+
 
 def socket_url(server, run_id: int) -> str:
     return server.url.replace("http://", "ws://") + f"/ws/runs/{run_id}/"
@@ -71,3 +74,16 @@ def test_a_burst_of_batches_from_many_ranks_reaches_the_page_as_few_messages(pla
     assert sorted(event["rank"] for event in events) == list(range(ranks))
     assert [event["seq"] for event in events] == sorted(event["seq"] for event in events)
     assert len(received) < ranks
+
+
+def test_a_socket_left_idle_longer_than_the_layers_blocking_read_stays_open(platform_server, platform_user):
+    """channels_redis waits for a message with a 5 s BZPOPMIN; redis-py 8 reads with a 5 s socket timeout
+    by default, which tore every idle consumer down (and the page's socket with it) every 5 s. On the
+    in-memory layer of the embedded default the same wait has no socket at all."""
+    run, attempt, _ = claimed_run(platform_user[0])
+    with open_socket(platform_server, run.pk, platform_user[0]) as socket:
+        with pytest.raises(TimeoutError):
+            socket.recv(timeout=IDLE_S)
+        ingest_batch(attempt, 1, 0, batch(attempt, rank=1, steps=(1,))["events"])
+        message = json.loads(socket.recv(timeout=10))
+    assert [(e["kind"], e["rank"], e["step"]) for e in message["events"]] == [("metric", 1, 1)]
