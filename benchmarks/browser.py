@@ -82,6 +82,7 @@ class RunPageFollower:
                     lastSeq: window.loomRun.lastSeq,
                     socket: window.loomRun.socket,
                     fetched: window.loomRun.fetched,
+                    refetchCosts: window.loomRun.refetchCosts,
                     notice: document.getElementById("page-notice").hidden
                         ? "" : document.getElementById("page-notice").textContent,
                 })"""

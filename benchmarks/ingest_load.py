@@ -704,6 +704,13 @@ def page_rows(page: dict, stored: dict) -> list[tuple[str, str]]:
         ("page: gaps resynced / events fetched to fill them", f"{socket['gaps']:,} / {fetched['events']:,}"),
         ("page: last seq applied / events stored", f"{page['lastSeq']:,} / {stored['events']:,}"),
         ("page: notice shown at the end", page["notice"] or "none"),
+        (
+            "page: last heatmap / traffic answer + draw, ms",
+            " / ".join(
+                f"{costs['tookMs']:,.0f} + {costs['drawMs']:,.0f}"
+                for costs in (page["refetchCosts"]["heatmap"], page["refetchCosts"]["comm"])
+            ),
+        ),
     ]
     return rows
 
