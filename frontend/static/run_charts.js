@@ -27,6 +27,9 @@ window.loomRunCharts = (page, run, requestFrame) => {
   const REFETCH_BACKOFF = 20;
   const RANK_LINES_MAX = 32;
   const HEATMAP_CLIP = 0.99;
+  // Rank × bucket cells one heatmap answer holds at most (the chart API's CELLS_MAX).
+  const HEATMAP_CELLS_MAX = 256 * 1024;
+  const HEATMAP_REFRESHED_COLUMNS = 4;
   const HEATMAP_HEIGHT_MIN = 420;
   const HEATMAP_HEIGHT_MAX = 1100;
   const KINDS = ["tp", "cp", "dp", "pp"];
@@ -540,27 +543,68 @@ window.loomRunCharts = (page, run, requestFrame) => {
 
   // The heatmap is fetched again rather than patched from events: an answer's columns are buckets of
   // `span` steps (the tiles the server keeps), and live steps drawn as one-step columns beside them
-  // would give columns of different widths. The server answers from those tiles; at 1,024 ranks an
-  // answer is up to 256K cells, so the page asks at most every REFETCH_MS while the shown attempt
-  // reports, and less often when answers are slow (REFETCH_BACKOFF).
-  const heatmap = { metric: "step_time_s", range: null, ticket: 0, answer: null };
+  // would give columns of different widths. While it follows the run (no zoom), a refetch asks only for
+  // its last column onwards at the span it shows: that column may have grown and new ones follow, and a
+  // 1,024-rank answer stays a few columns instead of the whole run. Once the columns outgrow what one
+  // answer may hold, the next answer is whole again, at the coarser span the server then picks. The page
+  // asks at most every REFETCH_MS while the shown attempt reports, and less often when answers are slow
+  // (REFETCH_BACKOFF).
+  // following: the answer covers the whole run (it was asked for without a zoom).
+  const heatmap = { metric: "step_time_s", range: null, ticket: 0, answer: null, following: false };
   let heatmapTimer = null;
   const heatmapTimes = { finishedAt: 0, tookMs: 0, drawMs: 0 };
   let heatmapFetching = false;
   run.refetchCosts = { heatmap: heatmapTimes };
+
+  // The columns one whole answer holds at most (the server's rule), and the answer to extend, if any.
+  function heatmapColumns(world) {
+    return Math.max(1, Math.min(C.plotWidth(elements.heatmap), Math.floor(HEATMAP_CELLS_MAX / Math.max(1, world))));
+  }
+
+  function extendable() {
+    const shown = heatmap.answer;
+    if (!shown || !heatmap.following || heatmap.range !== null) return null;
+    if (!shown.steps.length || shown.metric !== heatmap.metric) return null;
+    if (chosenAttempt !== null && shown.attempt !== chosenAttempt) return null;
+    return shown.steps.length < heatmapColumns(shown.ranks.length) ? shown : null;
+  }
+
+  // The shown answer with its last column onwards replaced by the tail's; null when the tail does not fit
+  // onto it (another attempt began, or the server chose otherwise).
+  function extended(shown, tail) {
+    if (tail.attempt !== shown.attempt || tail.span !== shown.span || tail.metric !== shown.metric) return null;
+    if (!tail.steps.length) return { ...shown, last_seq: tail.last_seq, hosts: tail.hosts };
+    const cut = shown.steps.indexOf(tail.steps[0]);
+    if (cut < 0) return null;
+    return {
+      ...tail,
+      steps: shown.steps.slice(0, cut).concat(tail.steps),
+      z: shown.z.map((row, rank) => row.slice(0, cut).concat(tail.z[rank])),
+    };
+  }
 
   async function fetchHeatmap() {
     const ticket = (heatmap.ticket += 1);
     heatmapFetching = true;
     const started = Date.now();
     try {
-      const query = C.rangeQuery(C.plotWidth(elements.heatmap), heatmap.range, {
-        metric: heatmap.metric,
-        attempt: chosenAttempt,
-      });
-      const answer = await C.getJson(`${page.apiUrl}/metrics/heatmap?${query}`);
+      const shown = extendable();
+      const params = { metric: heatmap.metric, attempt: chosenAttempt };
+      // The last few columns again: ranks that lag behind the others fill them in late.
+      const from = shown && shown.steps[Math.max(0, shown.steps.length - HEATMAP_REFRESHED_COLUMNS)];
+      if (shown) Object.assign(params, { start: from, span: shown.span });
+      const query = C.rangeQuery(C.plotWidth(elements.heatmap), heatmap.range, params);
+      let answer = await C.getJson(`${page.apiUrl}/metrics/heatmap?${query}`);
       if (ticket !== heatmap.ticket) return answer.last_seq;
+      if (shown) {
+        answer = extended(shown, answer);
+        if (answer === null) {
+          heatmap.answer = null;
+          return await fetchHeatmap();
+        }
+      }
       heatmap.answer = answer;
+      heatmap.following = heatmap.range === null;
       showAttempt(answer.attempt, answer.ranks.length);
       dirty.add("heatmap");
       requestFrame();

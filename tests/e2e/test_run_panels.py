@@ -11,6 +11,7 @@ import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 from channels.layers import InMemoryChannelLayer
@@ -265,6 +266,9 @@ def test_a_sixteen_rank_run_shows_every_rank_a_straggler_and_its_traffic(sixteen
 def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_ranks, open_logged_in):
     run, ingest = sixteen_ranks
     page = open_run(open_logged_in, run.pk)
+    # Asked for after the snapshot: the heatmap's refetches.
+    heatmap_queries = []
+    page.on("request", lambda request: "/metrics/heatmap?" in request.url and heatmap_queries.append(request.url))
     wait_for_chart(page, "loss-chart", f"data.length === 1 && data[0].x.length === {STEPS}")
     assert page.evaluate("window.loomRun.drawLatencies") == []
     assert page.evaluate("window.loomRun.rankDrawLatencies") == []
@@ -301,8 +305,14 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
     assert band["min"]["y"][-1] == pytest.approx(times[0])
     assert band["median"]["y"][-1] == pytest.approx((times[7] + times[8]) / 2)
     assert band["max"]["y"][-1] == pytest.approx(step_time(SLOW_RANK, step))
-    # The heatmap is fetched again (at most every 2 s) and ends with the live steps.
+    # The heatmap is fetched again (at most every 2 s) and ends with the live steps: only its last columns
+    # onwards are asked for, at the span it shows, and joined to the ones it held.
     wait_for_chart(page, "rank-heatmap", f"data[0].x[data[0].x.length - 1] === {live[-1]}", timeout=10_000)
+    (heat,) = chart_data(page, "rank-heatmap")
+    assert heat["x"] == list(range(1, live[-1] + 1))
+    assert heat["z"][SLOW_RANK][-1] == pytest.approx(step_time(SLOW_RANK, live[-1]))
+    refetches = [parse_qs(urlparse(url).query) for url in heatmap_queries]
+    assert refetches and all(query["span"] == ["1"] and int(query["start"][0]) >= STEPS - 3 for query in refetches)
 
     # Each rank's traffic of a new window: the matrix is fetched again and shows that window.
     assert page.evaluate("window.loomRun.panels.comm.window") == [551, 600]

@@ -108,6 +108,14 @@ def test_the_heatmap_shows_a_slow_rank_as_a_stripe_and_names_its_host(client, pl
     fine = client.get(f"/api/runs/{run.pk}/metrics/heatmap?width=100&start=10&end=60").json()
     assert fine["span"] == 1 and fine["steps"] == list(range(10, 61))
 
+    # A page following the run asks for its last bucket onwards at the span it shows: the same buckets.
+    tail = client.get(f"/api/runs/{run.pk}/metrics/heatmap?width=100&start=592&span=8").json()
+    assert tail["span"] == 8 and tail["steps"] == [592, 600]
+    assert [row[-2:] for row in heat["z"]] == tail["z"]
+    for span, field in ((5, "span"), (1, "span")):
+        refused = client.get(f"/api/runs/{run.pk}/metrics/heatmap?width=100&span={span}")
+        assert refused.status_code == 400 and field in refused.json()["errors"]
+
 
 def test_comm_matrix_per_step_with_kinds_beside_the_prediction(client, platform_user):
     user = platform_user[0]

@@ -104,10 +104,12 @@ def rank_step_heatmap(
     attempt: int | None = None,
     start: int | None = None,
     end: int | None = None,
+    span: int | None = None,
 ):
-    """Rank × step: each rank's mean step time (or memory) per bucket of steps, with each rank's host."""
+    """Rank × step: each rank's mean step time, own work or memory per bucket of steps (of `span` steps
+    when given: 1 or a tile span), with each rank's host."""
     run = run_services.run_for(request.user, run_id)
-    return _chart(lambda: charts.heatmap(run, metric, _width(width), attempt, start, end))
+    return _chart(lambda: charts.heatmap(run, metric, _width(width), attempt, start, end, span))
 
 
 @router.get("/runs/{run_id}/comm", response={200: dict, 400: FieldErrors})

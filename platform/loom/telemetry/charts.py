@@ -202,11 +202,20 @@ def _band(cells: dict[int, dict[int, tuple]]) -> dict:
 
 
 def heatmap(
-    run: Run, metric: str, width: int, number: int | None = None, start: int | None = None, end: int | None = None
+    run: Run,
+    metric: str,
+    width: int,
+    number: int | None = None,
+    start: int | None = None,
+    end: int | None = None,
+    span: int | None = None,
 ) -> dict:
     """Rank × step: each rank's mean of the metric per bucket of steps (a slow rank is a stripe), with the
-    host each rank last reported from."""
+    host each rank last reported from. `span` asks for buckets of that many steps (a page following the
+    run asks for its last bucket onwards at the span it shows) instead of the finest that fits `width`."""
     _check_metric(metric)
+    if span is not None and span not in (1, *TILE_SPANS):
+        raise ChartInputError({"span": f"no buckets of {span} steps are kept; valid choices are {[1, *TILE_SPANS]}"})
     last_seq = _last_seq(run)
     attempt = attempt_of(run, number)
     world = _world_size(attempt)
@@ -217,8 +226,12 @@ def heatmap(
     answer = {"last_seq": last_seq, "attempt": attempt.number, "metric": metric, "ranks": list(range(world))}
     bounds = _step_range(attempt, start, end)
     if bounds is None:
-        return answer | {"span": 1, "steps": [], "hosts": hosts, "z": [[] for _ in range(world)]}
-    span = _span(*bounds, max(1, min(width, CELLS_MAX // world)))
+        return answer | {"span": span or 1, "steps": [], "hosts": hosts, "z": [[] for _ in range(world)]}
+    columns = max(1, min(width, CELLS_MAX // world))
+    if span is not None and math.ceil((bounds[1] - bounds[0] + 1) / span) > columns:
+        too_many = f"{span}-step buckets over steps {bounds[0]}–{bounds[1]} exceed {columns} columns"
+        raise ChartInputError({"span": too_many})
+    span = span or _span(*bounds, columns)
     cells = _rank_buckets(attempt, metric, *bounds, span, None)
     steps = sorted({step for buckets in cells.values() for step in buckets})
     z = [[cells[rank][step][1] if step in cells.get(rank, {}) else None for step in steps] for rank in range(world)]
