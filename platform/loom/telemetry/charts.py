@@ -85,13 +85,11 @@ def series(run: Run, width: int, start: int | None = None, end: int | None = Non
             rows = rows.filter(step__gte=start)
         if end is not None:
             rows = rows.filter(step__lte=end)
-        columns = list(zip(*rows.order_by("step").values_list("step", *SERIES), strict=True)) or [()] * (
-            len(SERIES) + 1
-        )
-        steps = list(columns[0])
+        table = list(rows.order_by("step").values_list("step", *SERIES))
+        steps = [row[0] for row in table]
         curves = {}
-        for name, values in zip(SERIES, columns[1:], strict=True):
-            values = list(values)
+        for index, name in enumerate(SERIES, start=1):
+            values = [row[index] for row in table]
             if name == "tokens_per_s":
                 values = [None if value is None else value * data_parallel for value in values]
             kept_steps, kept_values = min_max(steps, values, max(1, width // 2))
@@ -138,9 +136,13 @@ def _rank_buckets(
     return cells
 
 
-def _check_metric(metric: str) -> None:
+def _per_rank_chart(run: Run, metric: str, number: int | None) -> tuple[int, Attempt, int]:
+    """(last_seq, attempt, world size) for a per-rank chart of `metric`, after checking the metric."""
     if metric not in RANK_METRICS:
         raise ChartInputError({"metric": f"unknown metric {metric!r}; valid choices are {sorted(RANK_METRICS)}"})
+    last_seq = _last_seq(run)
+    attempt = attempt_of(run, number)
+    return last_seq, attempt, _world_size(attempt)
 
 
 def rank_metric(
@@ -154,10 +156,7 @@ def rank_metric(
 ) -> dict:
     """A per-rank metric over steps: lines (min, mean, max per bucket) for a few ranks, else a band:
     per bucket the lowest rank's min, the median over ranks of their means, and the highest max."""
-    _check_metric(metric)
-    last_seq = _last_seq(run)
-    attempt = attempt_of(run, number)
-    world = _world_size(attempt)
+    last_seq, attempt, world = _per_rank_chart(run, metric, number)
     bad = [rank for rank in ranks or [] if not 0 <= rank < world]
     if bad:
         raise ChartInputError({"ranks": f"ranks {bad} are not in this attempt's 0…{world - 1}"})
@@ -213,12 +212,9 @@ def heatmap(
     """Rank × step: each rank's mean of the metric per bucket of steps (a slow rank is a stripe), with the
     host each rank last reported from. `span` asks for buckets of that many steps (a page following the
     run asks for its last bucket onwards at the span it shows) instead of the finest that fits `width`."""
-    _check_metric(metric)
     if span is not None and span not in (1, *TILE_SPANS):
         raise ChartInputError({"span": f"no buckets of {span} steps are kept; valid choices are {[1, *TILE_SPANS]}"})
-    last_seq = _last_seq(run)
-    attempt = attempt_of(run, number)
-    world = _world_size(attempt)
+    last_seq, attempt, world = _per_rank_chart(run, metric, number)
     hosts = [""] * world
     for rank, host in RankStatus.objects.filter(attempt=attempt, rank__lt=world).values_list("rank", "host"):
         if rank >= 0:
