@@ -238,6 +238,9 @@ class TelemetryClient:
         self.heartbeat_interval_s = heartbeat_interval_s
         self._next_seq = self._first_unused_seq()
         self._pending: list[str] = []
+        self._oldest_pending_at = 0.0
+        self._metric_pending = False
+        self._wake = threading.Event()
         self._lock = threading.Lock()
         self._closed = False
         self._last_step: int | None = None
@@ -273,9 +276,14 @@ class TelemetryClient:
         with self._lock:
             if self._closed:
                 return False
+            if not self._pending:
+                self._oldest_pending_at = time.monotonic()
             self._pending.append(line)
+            self._metric_pending |= kind == "metric"
             if step is not None:
                 self._last_step = step
+        if kind == "metric":
+            self._wake.set()
         return True
 
     def close(self, timeout_s: float) -> int:
@@ -288,6 +296,7 @@ class TelemetryClient:
         if not already_closed:
             self._deadline = deadline
             self._closing.set()
+            self._wake.set()
             spooler, *others = self._threads
             # Joined without a limit: what was emitted must reach the disk even when the network cannot be reached.
             spooler.join()
@@ -296,15 +305,36 @@ class TelemetryClient:
         return len(spooled_batches(self.rank_dir))
 
     def _spool_loop(self) -> None:
-        while not self._closing.wait(self.flush_interval_s):
+        """Cut at most one batch per flush interval: a step's metrics as soon as the last cut is an interval
+        old (at once when steps are slower than the interval, so a point is on its way when it is made),
+        anything else once it has waited an interval."""
+        last_cut = -math.inf
+        while not self._closing.is_set():
+            wait = self._next_cut(last_cut) - time.monotonic()
+            if wait > 0:
+                # A metric queued meanwhile can bring the cut forward; close() ends the wait too.
+                self._wake.wait(wait)
+                self._wake.clear()
+                continue
             self._cut_batches()
+            last_cut = time.monotonic()
         self._cut_batches()
         self._spooler_done.set()
         self._spooled.set()
 
+    def _next_cut(self, last_cut: float) -> float:
+        with self._lock:
+            if not self._pending:
+                return time.monotonic() + self.flush_interval_s
+            due = self._oldest_pending_at + self.flush_interval_s
+            if self._metric_pending:
+                due = min(due, last_cut + self.flush_interval_s)
+        return due
+
     def _cut_batches(self) -> None:
         with self._lock:
             events, self._pending = self._pending, []
+            self._metric_pending = False
         if not events:
             return
         for batch in split_batches(events):

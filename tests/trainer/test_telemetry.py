@@ -209,3 +209,24 @@ def test_deliver_spool_gives_up_at_its_deadline_and_counts_what_is_left(tmp_path
     started = time.monotonic()
     assert deliver_spool(tmp_path, closed_port_url(), "secret-token", deadline_s=0.5) == 2
     assert time.monotonic() - started < 1.5
+
+
+def test_a_steps_metrics_are_cut_at_once_and_then_no_more_than_once_an_interval(tmp_path):
+    """Steps slower than the flush interval send each step's metrics as soon as they are made; what comes
+    within an interval of the last cut waits for the interval, so a rank still sends at most once per it."""
+    interval_s = 60.0
+    client = TelemetryClient(None, None, None, 0, tmp_path, interval_s, None)
+    try:
+        client.emit("metric", {"loss": 2.0}, step=1)
+        deadline = time.monotonic() + interval_s / 2
+        while not spooled_files(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(spooled_files(tmp_path)) == 1, "the first step's metrics waited for the flush interval"
+        client.emit("metric", {"loss": 1.5}, step=2)
+        client.emit("log", {"level": "INFO", "message": "between cuts", "logger": "test"})
+        time.sleep(0.5)
+        assert len(spooled_files(tmp_path)) == 1
+    finally:
+        client.close(timeout_s=5)
+    events = events_of(read_spool(tmp_path))
+    assert [(event["kind"], event["step"]) for event in events] == [("metric", 1), ("metric", 2), ("log", None)]
