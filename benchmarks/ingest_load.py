@@ -238,8 +238,8 @@ class Platform:
     def start(self) -> None:
         command = [sys.executable, "manage.py", "migrate", "--noinput"]
         subprocess.run(command, cwd=ROOT, env=self.env, check=True, capture_output=True)
-        ports = sorted({self.port, self.ingest_port}, key=lambda port: port != self.port)
-        for port, name in zip(ports, ("web", "ingest"), strict=False):
+        servers = [("web", self.port)] + ([("ingest", self.ingest_port)] if self.ingest_port != self.port else [])
+        for name, port in servers:
             web = [str(VENV_BIN / "uvicorn"), "loom.asgi:application", "--port", str(port), "--no-access-log"]
             if self.limit_concurrency:
                 web += ["--limit-concurrency", str(self.limit_concurrency)]

@@ -90,7 +90,8 @@ def rank_metric(
     end: int | None = None,
     ranks: str = "",
 ):
-    """Step time or memory per rank: lines for up to 8 ranks (or those asked for), else a min/median/max band."""
+    """Step time, own work or memory per rank: lines for up to 8 ranks (or those asked for), else a
+    min/median/max band."""
     run = run_services.run_for(request.user, run_id)
     return _chart(lambda: charts.rank_metric(run, metric, _width(width), attempt, start, end, _ranks(ranks)))
 

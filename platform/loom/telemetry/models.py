@@ -36,14 +36,19 @@ class Event(models.Model):
 
 def wire(event: Event, attempt_number: int | None) -> dict:
     """An event as the events API and the websocket give it."""
+    return wire_fields(event.seq, event.kind, attempt_number, event.rank, event.step, event.time, event.payload)
+
+
+def wire_fields(seq: int, kind: str, attempt_number: int | None, rank, step, time, payload: dict) -> dict:
+    """The wire form from an event's fields: for events that are not model instances (ingest's write path)."""
     return {
-        "seq": event.seq,
-        "kind": event.kind,
+        "seq": seq,
+        "kind": kind,
         "attempt": attempt_number,
-        "rank": event.rank,
-        "step": event.step,
-        "time": event.time.timestamp(),
-        "payload": event.payload,
+        "rank": rank,
+        "step": step,
+        "time": time.timestamp(),
+        "payload": payload,
     }
 
 

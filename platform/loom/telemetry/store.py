@@ -21,7 +21,7 @@ from loom.runs import services as run_services
 from loom.runs.models import Attempt
 
 from . import bulk
-from .models import Event
+from .models import Event, wire_fields
 from .publish import publish
 
 log = logging.getLogger(__name__)
@@ -191,16 +191,9 @@ class StoredEvent:
         )
 
     def wire(self) -> dict:
-        """As the events API and the websocket give it (models.wire)."""
-        return {
-            "seq": self.seq,
-            "kind": self.kind,
-            "attempt": self.batch.attempt_number,
-            "rank": self.batch.rank,
-            "step": self.step,
-            "time": self.time.timestamp(),
-            "payload": self.payload,
-        }
+        """As the events API and the websocket give it."""
+        batch = self.batch
+        return wire_fields(self.seq, self.kind, batch.attempt_number, batch.rank, self.step, self.time, self.payload)
 
 
 def _append(batches: list[PendingBatch]) -> list[StoredEvent]:
