@@ -79,6 +79,7 @@ class RunPageFollower:
                 """({
                     loss: window.loomRun.drawLatencies,
                     ranks: window.loomRun.rankDrawLatencies,
+                    rankStages: window.loomRun.rankDrawStages,
                     lastSeq: window.loomRun.lastSeq,
                     socket: window.loomRun.socket,
                     fetched: window.loomRun.fetched,

@@ -696,6 +696,10 @@ def page_rows(page: dict, stored: dict) -> list[tuple[str, str]]:
     for name, values in (("loss points (a step's first report)", page["loss"]), ("step-time points", page["ranks"])):
         figures = " / ".join(f"{percentile(values, q):,.0f} ms" for q in (0.5, 0.95, 0.99))
         rows.append((f"emit → drawn p50 / p95 / p99, {name}", f"{figures} over {len(values):,} points"))
+    for stage, name in enumerate(("emit → sent to the page", "sent → received", "received → drawn")):
+        values = [stages[stage] for stages in page["rankStages"]]
+        figures = " / ".join(f"{percentile(values, q):,.0f} ms" for q in (0.5, 0.95, 0.99))
+        rows.append((f"  step-time points' {name} p50 / p95 / p99", f"{figures} over {len(values):,} points"))
     rows += [
         (
             "page: websockets opened / messages / events in them",

@@ -36,6 +36,8 @@
     // The seq the charts' snapshot holds everything up to; events after it were applied one by one.
     snapshotSeq: null,
     state: page.state,
+    // While a websocket message is being applied: when it was sent and received (applyFromSocket).
+    delivery: null,
     // Events applied one by one: the history before the snapshot (logs, states, checkpoints) and
     // every event after it.
     appliedSeqs: 0,
@@ -216,17 +218,23 @@
     }
   }
 
-  function applyFromSocket(events) {
+  // delivery: when the message left the platform (`sent`, its clock) and reached this page (`received`).
+  function applyFromSocket(events, delivery) {
     run.socket.messages += 1;
     run.socket.events += events.length;
-    for (const event of events) {
-      if (event.seq <= run.lastSeq) continue;
-      if (event.seq > run.lastSeq + 1) {
-        run.socket.gaps += 1;
-        resync();
-        return;
+    run.delivery = delivery;
+    try {
+      for (const event of events) {
+        if (event.seq <= run.lastSeq) continue;
+        if (event.seq > run.lastSeq + 1) {
+          run.socket.gaps += 1;
+          resync();
+          return;
+        }
+        apply(event);
       }
-      apply(event);
+    } finally {
+      run.delivery = null;
     }
   }
 
@@ -276,7 +284,7 @@
     socket.onmessage = (message) => {
       lastHeardAt = Date.now();
       const data = JSON.parse(message.data);
-      if (data.type === "events") applyFromSocket(data.events);
+      if (data.type === "events") applyFromSocket(data.events, { sent: data.sent, received: lastHeardAt });
     };
     socket.onclose = () => {
       showNotice("Live updates disconnected; reconnecting…");

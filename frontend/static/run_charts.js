@@ -95,6 +95,9 @@ window.loomRunCharts = (page, run, requestFrame) => {
   // Emit → on screen, ms: of each loss point (a step's first report) and of every rank's step-time point.
   run.drawLatencies = [];
   run.rankDrawLatencies = [];
+  // Of the step-time points that came over the websocket, ms: emit → sent by the platform (ingest,
+  // commit, coalescing), sent → received by the page, received → on screen.
+  run.rankDrawStages = [];
   run.panels = { ranks: {}, heatmap: null, comm: null };
 
   const elements = {};
@@ -197,7 +200,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
         if (value === null) continue;
       }
       if (!addSeriesPoint(key, attempt, step, value)) continue;
-      if (key === "loss" && inRange(seriesRange.loss, step)) latencyPending.push(event.time);
+      if (key === "loss" && inRange(seriesRange.loss, step)) latencyPending.push(pendingPoint(event));
       dirty.add(key);
       requestFrame();
     }
@@ -276,18 +279,30 @@ window.loomRunCharts = (page, run, requestFrame) => {
     const layout = lineLayout(SERIES[key].axis, empty, SERIES[key]);
     const drawing = Plotly.react(elements[key], traces, layout, C.PLOT_CONFIG);
     if (key === "loss") {
-      keepLatencies(drawing, latencyPending, run.drawLatencies);
+      keepLatencies(drawing, latencyPending, run.drawLatencies, null);
       latencyPending = [];
     }
   }
 
   // The time from a rank's emit to its point on screen, for the end-to-end latency benchmark.
-  function keepLatencies(drawing, emitted, kept) {
-    if (!emitted.length) return;
+  function pendingPoint(event) {
+    return { emitted: event.time * 1000, delivery: run.delivery };
+  }
+
+  function keepLatencies(drawing, pending, kept, stagesKept) {
+    if (!pending.length) return;
     Promise.resolve(drawing).then(() => {
       const now = Date.now();
-      for (const time of emitted) kept.push(now - time * 1000);
-      if (kept.length > LATENCIES_KEPT) kept.splice(0, kept.length - LATENCIES_KEPT);
+      for (const { emitted, delivery } of pending) {
+        kept.push(now - emitted);
+        if (stagesKept && delivery && typeof delivery.sent === "number") {
+          const sent = delivery.sent * 1000;
+          stagesKept.push([sent - emitted, delivery.received - sent, now - delivery.received]);
+        }
+      }
+      for (const list of [kept, stagesKept || []]) {
+        if (list.length > LATENCIES_KEPT) list.splice(0, list.length - LATENCIES_KEPT);
+      }
     });
   }
 
@@ -307,7 +322,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
       band: null,
       // Band steps after the answer, from events: step → {values: Map(rank → value), summary}.
       live: new Map(),
-      // Emit times of the events this panel took since it was last drawn.
+      // The events this panel took since it was last drawn: their emit times and deliveries.
       latencyPending: [],
     };
   }
@@ -376,7 +391,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
         ? addLinePoint(panel, event.rank, event.step, value)
         : addBandPoint(panel, event.rank, event.step, value);
     if (changed) {
-      if (panel.metric === "step_time_s") panel.latencyPending.push(event.time);
+      if (panel.metric === "step_time_s") panel.latencyPending.push(pendingPoint(event));
       dirty.add(panel);
       requestFrame();
     }
@@ -518,7 +533,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
       lineLayout(RANK_METRICS[panel.metric].axis, hasPoints ? "" : "no steps yet", RANK_METRICS[panel.metric]),
       C.PLOT_CONFIG,
     );
-    keepLatencies(drawing, panel.latencyPending, run.rankDrawLatencies);
+    keepLatencies(drawing, panel.latencyPending, run.rankDrawLatencies, run.rankDrawStages);
     panel.latencyPending = [];
     run.panels.ranks[panel.metric] = { attempt: panel.attempt, span: panel.span, mode: panel.mode };
   }

@@ -293,6 +293,11 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
     rank_latencies = page.evaluate("window.loomRun.rankDrawLatencies")
     assert RANKS * past_last_bucket <= len(rank_latencies) <= RANKS * len(live)
     assert all(0 < latency < 30_000 for latency in rank_latencies)
+    # Those that came over the websocket are split into stages (one clock here: none runs backwards).
+    stages = page.evaluate("window.loomRun.rankDrawStages")
+    assert 1 <= len(stages) <= len(rank_latencies)
+    for to_sent, to_received, to_drawn in stages:
+        assert to_sent > 0 and to_received > -1 and to_drawn >= 0
     # Every rank's events applied one by one after the snapshot, not replayed from it.
     page.wait_for_function(f"window.loomRun.lastSeq === {snapshot_seq + RANKS * len(live)}")
     drawn(page)

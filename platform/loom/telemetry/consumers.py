@@ -26,7 +26,7 @@ class RunEventsConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
     async def run_events(self, message):
-        await self.send_json({"type": "events", "events": message["events"]})
+        await self.send_json({"type": "events", "events": message["events"], "sent": message.get("sent")})
 
     @database_sync_to_async
     def _owns(self, user, run_id: int) -> bool:

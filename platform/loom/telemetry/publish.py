@@ -1,5 +1,7 @@
 """Fan-out of stored events to the run's websocket group, coalesced per process (fanout.py)."""
 
+import time
+
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
@@ -12,7 +14,9 @@ def run_group(run_id: int) -> str:
 
 
 def send_to_group(run_id: int, events: list[dict]) -> None:
-    async_to_sync(get_channel_layer().group_send)(run_group(run_id), {"type": "run.events", "events": events})
+    """`sent` (wall-clock seconds) lets a page tell how long its events took after they left the platform."""
+    message = {"type": "run.events", "events": events, "sent": time.time()}
+    async_to_sync(get_channel_layer().group_send)(run_group(run_id), message)
 
 
 # One per process: the platform's settings decide how often a run's pages may hear from it.
