@@ -13,11 +13,12 @@ Hz), numbered (`seq`) and encoded as trainer/telemetry.py does: a `metric` event
 trainer/train.py sends on a GPU (the state bytes too at step 1), a `heartbeat`, and every `--comm-every`
 steps a `comm` event, the rank's row of the planner's predicted traffic matrix (trainer/plan/traffic.py, the
 payload trainer/comm.py sends) summed over the window. A rank sends its batches oldest first, one at a time,
-each on a new connection as the trainer's urllib client does (`--keep-alive`: one kept-alive connection per
-rank); a batch is retried with the same seq and the client's backoff until the platform answers 200 (a retry
-of a stored batch is answered `duplicate`) or refuses it for good (400, 401, 403, 413); a request times out
-after the client's 10 s. Batches the server is too slow for wait on the client, as in the trainer's spool;
-after `--duration` seconds of load the ranks keep sending until all is delivered or `--drain-limit` s pass.
+over one kept-alive connection per rank as the trainer's client does (`--connection-per-batch`: a new
+connection for each, as the trainer's client did before); a batch is retried with the same seq and the
+client's backoff until the platform answers 200 (a retry of a stored batch is answered `duplicate`) or
+refuses it for good (400, 401, 403, 413); a request times out after the client's 10 s. Batches the server
+is too slow for wait on the client, as in the trainer's spool; after `--duration` seconds of load the ranks
+keep sending until all is delivered or `--drain-limit` s pass.
 
 A point is one stored value: each numeric field of a `metric` payload, one per `heartbeat`, and each entry of
 a `comm` payload's `sends` (one destination of the rank's traffic-matrix row). Stored points are counted from
@@ -492,11 +493,11 @@ class Rank:
         head = (
             f"POST /api/ingest HTTP/1.1\r\nHost: 127.0.0.1:{load.port}\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {token or load.token}\r\nContent-Length: {len(body)}\r\n"
-            f"Connection: {'keep-alive' if load.args.keep_alive else 'close'}\r\n\r\n"
+            f"Connection: {'close' if load.args.connection_per_batch else 'keep-alive'}\r\n\r\n"
         )
         writer.write(head.encode() + body)
         status, response, close = await read_response(reader)
-        if close or not load.args.keep_alive:
+        if close or load.args.connection_per_batch:
             self.close()
         return status, response
 
@@ -636,7 +637,7 @@ def report(
     rows = [
         ("backend", f"{args.database}; channel layer {platform.channel_layer}"),
         ("load", f"{args.ranks} ranks × {args.rate:g} Hz for {window:g} s; comm every {args.comm_every} steps"),
-        ("connections", "one kept alive per rank" if args.keep_alive else "a new one per batch, as the trainer's"),
+        ("connections", "a new one per batch" if args.connection_per_batch else "one kept alive per rank, as trainers"),
         (
             "server",
             f"uvicorn{' × 2 (ingest apart)' if args.ingest_process else ''}, LOOM_DEBUG={int(args.debug)}, "
@@ -752,7 +753,7 @@ def main() -> None:
         default=1,
         help="training steps each batch reports (a trainer flushing every second at that many steps a second)",
     )
-    parser.add_argument("--keep-alive", action="store_true", help="one kept-alive connection per rank")
+    parser.add_argument("--connection-per-batch", action="store_true", help="a new connection for each batch")
     parser.add_argument("--drain-limit", type=float, default=120.0, help="seconds to keep delivering after the load")
     parser.add_argument(
         "--limit-concurrency", type=int, help="uvicorn's limit on requests in flight (503 above it); default none"

@@ -12,8 +12,6 @@ Wire contract: POST {url}/api/ingest with a bearer token and the body
 
 from __future__ import annotations
 
-import enum
-import http.client
 import json
 import logging
 import math
@@ -24,11 +22,11 @@ import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from trainer.ingest_connection import Delivery, IngestConnection
 
 EVENT_KINDS = frozenset({"metric", "heartbeat", "comm", "log", "checkpoint", "state"})
 # The platform refuses bodies over 1 MiB or 5000 events; staying well under leaves headroom.
@@ -36,8 +34,6 @@ MAX_BATCH_EVENTS = 2000
 MAX_BATCH_BYTES = 512 * 1024
 # One enormous record (a dumped tensor, say) must not crowd a batch towards the platform's size limit.
 MAX_LOG_MESSAGE_CHARS = 64 * 1024
-# Sending these again would be refused again, so the batch is set aside instead of retried.
-REJECTED_STATUSES = frozenset({400, 401, 403, 413})
 BACKOFF_START_S = 0.25
 BACKOFF_CAP_S = 5.0
 REQUEST_TIMEOUT_S = 10.0
@@ -48,12 +44,6 @@ BATCH_FILE = re.compile(r"^(\d{10})\.json$")
 RANK_DIR = re.compile(r"^rank(-?\d+)$")
 NEXT_SEQ_FILE = "next_seq"
 REJECTED_DIR = "rejected"
-
-
-class Delivery(enum.Enum):
-    DELIVERED = "delivered"
-    REJECTED = "rejected"
-    RETRY = "retry"
 
 
 def encode_event(kind: str, payload: dict[str, Any], step: int | None, emitted_at: float) -> str:
@@ -123,33 +113,6 @@ def read_spool(spool_dir: Path) -> list[dict[str, Any]]:
     return sorted(batches, key=lambda batch: (batch["rank"], batch["seq"]))
 
 
-def post_batch(url: str, token: str, body: bytes, timeout_s: float) -> tuple[Delivery, str]:
-    """POST one batch body; says whether it was stored, refused for good, or should be retried."""
-    request = urllib.request.Request(
-        f"{url.rstrip('/')}/api/ingest",
-        data=body,
-        method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            response.read()
-            return Delivery.DELIVERED, f"HTTP {response.status}"
-    except urllib.error.HTTPError as error:
-        with error:
-            detail = f"HTTP {error.code}: {_response_excerpt(error)}"
-        return (Delivery.REJECTED if error.code in REJECTED_STATUSES else Delivery.RETRY), detail
-    except (OSError, http.client.HTTPException) as error:
-        return Delivery.RETRY, f"{type(error).__name__}: {error}"
-
-
-def _response_excerpt(error: urllib.error.HTTPError) -> str:
-    try:
-        return error.read(300).decode("utf-8", "replace").strip() or error.reason
-    except (OSError, http.client.HTTPException):
-        return str(error.reason)
-
-
 def backoff_delay(failures: int) -> float:
     """Exponential from BACKOFF_START_S, capped at BACKOFF_CAP_S, jittered so ranks do not retry in lockstep."""
     ceiling = min(BACKOFF_CAP_S, BACKOFF_START_S * 2 ** max(failures - 1, 0))
@@ -161,8 +124,7 @@ class _Courier:
 
     def __init__(self, spool_dir: Path, url: str, token: str):
         self.spool_dir = Path(spool_dir)
-        self.url = url
-        self.token = token
+        self.connection = IngestConnection(url, token)
         self.failures = 0
 
     def send_oldest(self, rank_dir: Path, timeout_s: float) -> Delivery | None:
@@ -171,7 +133,7 @@ class _Courier:
         if not batches:
             return None
         path = batches[0]
-        outcome, detail = post_batch(self.url, self.token, path.read_bytes(), timeout_s)
+        outcome, detail = self.connection.post(path.read_bytes(), timeout_s)
         if outcome is Delivery.DELIVERED:
             path.unlink()
             self.failures = 0
@@ -200,13 +162,17 @@ def deliver_spool(spool_dir: Path, url: str, token: str, deadline_s: float) -> i
     deadline_s seconds; returns how many batches are still spooled."""
     deadline = time.monotonic() + deadline_s
     courier = _Courier(spool_dir, url, token)
-    for rank_dir in rank_dirs(spool_dir):
-        while (remaining := deadline - time.monotonic()) > 0:
-            outcome = courier.send_oldest(rank_dir, max(MIN_REQUEST_TIMEOUT_S, min(REQUEST_TIMEOUT_S, remaining)))
-            if outcome is None:
-                break
-            if outcome is Delivery.RETRY:
-                time.sleep(max(0.0, min(backoff_delay(courier.failures), deadline - time.monotonic())))
+    try:
+        for rank_dir in rank_dirs(spool_dir):
+            while (remaining := deadline - time.monotonic()) > 0:
+                timeout_s = max(MIN_REQUEST_TIMEOUT_S, min(REQUEST_TIMEOUT_S, remaining))
+                outcome = courier.send_oldest(rank_dir, timeout_s)
+                if outcome is None:
+                    break
+                if outcome is Delivery.RETRY:
+                    time.sleep(max(0.0, min(backoff_delay(courier.failures), deadline - time.monotonic())))
+    finally:
+        courier.connection.close()
     return sum(len(spooled_batches(rank_dir)) for rank_dir in rank_dirs(spool_dir))
 
 
@@ -345,6 +311,12 @@ class TelemetryClient:
         self._spooled.set()
 
     def _send_loop(self) -> None:
+        try:
+            self._deliver_until_done()
+        finally:
+            self._courier.connection.close()
+
+    def _deliver_until_done(self) -> None:
         while True:
             deadline = self._deadline
             if deadline is not None and time.monotonic() >= deadline:
