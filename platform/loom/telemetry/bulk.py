@@ -1,17 +1,18 @@
-"""Bulk writes for ingest: each table's rows of a group commit in one statement.
+"""Bulk writes for ingest: each table's rows of a group commit in a fixed number of statements.
 
-On PostgreSQL every column travels as one array parameter and is unnested by the server: the statement
-text stays the same whatever the number of rows, so psycopg converts it once and binds the arrays in C,
-where a VALUES list of thousands of placeholders was parsed and quoted value by value in Python (most of
-the writer's CPU at 1,024 ranks). Rows that cannot conflict (new events) go by COPY. SQLite, the embedded
-default, gets multi-row VALUES statements within its limit on bound variables.
+Rows are first put in a temporary stage table of the connection (COPY on PostgreSQL, whose rows psycopg
+formats in C; multi-row VALUES on SQLite, the embedded default) and then moved by one INSERT … SELECT,
+which may resolve conflicts, return keys, or aggregate (the heatmap tiles): the statement text never
+depends on the number of rows, and no value passes through Python's own formatting. Rows that cannot
+conflict (new events) are copied straight into their table.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import psycopg
-from django.db import connection
+from django.db import connection, transaction
 
 # Rows per VALUES statement on SQLite: times the widest table's columns, well under its 32,766 variables.
 SQLITE_ROWS_PER_STATEMENT = 400
@@ -20,7 +21,7 @@ SQLITE_ROWS_PER_STATEMENT = 400
 @dataclass(frozen=True)
 class Table:
     name: str
-    # (column, PostgreSQL type of its array parameter's elements)
+    # (column, PostgreSQL type)
     columns: tuple[tuple[str, str], ...]
 
     @property
@@ -33,45 +34,65 @@ def insert(table: Table, rows: Sequence[tuple], conflict: str = "", returning: s
     `returning` (columns to answer with); the returned rows, in no particular order."""
     if not rows:
         return []
+    with staged(table, rows) as stage:
+        return insert_from(table, stage, conflict, returning)
+
+
+@contextmanager
+def staged(table: Table, rows: Sequence[tuple]) -> Iterator[str]:
+    """The rows in this connection's temporary stage table for `table`, by name, for statements that read
+    them; emptied again afterwards. Inside the caller's transaction (or one of its own)."""
+    stage = f"stage_{table.name}"
+    postgresql = connection.vendor == "postgresql"
+    # SQLite's columns get no declared type: its type affinity would turn JSON text like "3" into a number.
+    columns = ", ".join(f"{name} {kind}" if postgresql else name for name, kind in table.columns)
+    # A stage created by a transaction that rolls back is gone with it, so it is asked for every time.
+    create = f"CREATE TEMP TABLE IF NOT EXISTS {stage} ({columns})" + (" ON COMMIT DELETE ROWS" if postgresql else "")
+    with transaction.atomic(savepoint=False), connection.cursor() as cursor:
+        cursor.execute(create)
+        if postgresql:
+            _copy_rows(stage, table, rows)
+        else:
+            _insert_values(stage, table, rows)
+        yield stage
+        cursor.execute(f"DELETE FROM {stage}")
+
+
+def insert_from(table: Table, stage: str, conflict: str = "", returning: str = "") -> list[tuple]:
+    """INSERT every staged row into `table`, as insert() does."""
     tail = f" {conflict}" if conflict else ""
     tail += f" RETURNING {returning}" if returning else ""
-    if connection.vendor == "postgresql":
-        return _insert_unnested(table, rows, tail, bool(returning))
-    returned = []
     with connection.cursor() as cursor:
-        placeholders = "(" + ", ".join(["%s"] * len(table.columns)) + ")"
-        for start in range(0, len(rows), SQLITE_ROWS_PER_STATEMENT):
-            chunk = rows[start : start + SQLITE_ROWS_PER_STATEMENT]
-            values = ", ".join([placeholders] * len(chunk))
-            cursor.execute(
-                f"INSERT INTO {table.name} ({table.column_list}) VALUES {values}{tail}",
-                [value for row in chunk for value in row],
-            )
-            if returning:
-                returned.extend(tuple(row) for row in cursor.fetchall())
-    return returned
-
-
-def _insert_unnested(table: Table, rows: Sequence[tuple], tail: str, returning: bool) -> list[tuple]:
-    arrays = ", ".join(f"%s::{kind}[]" for _, kind in table.columns)
-    columns = [list(column) for column in zip(*rows, strict=True)]
-    with _server_bound_cursor() as cursor:
-        cursor.execute(f"INSERT INTO {table.name} ({table.column_list}) SELECT * FROM unnest({arrays}){tail}", columns)
+        # WHERE true: SQLite would otherwise read ON CONFLICT as the start of a join constraint.
+        cursor.execute(
+            f"INSERT INTO {table.name} ({table.column_list}) SELECT {table.column_list} FROM {stage} WHERE true{tail}"
+        )
         return [tuple(row) for row in cursor.fetchall()] if returning else []
 
 
 def copy(table: Table, rows: Sequence[tuple]) -> None:
     """Append rows no constraint can refuse; COPY on PostgreSQL."""
     if connection.vendor != "postgresql":
-        insert(table, rows)
+        _insert_values(table.name, table, rows)
         return
-    with _server_bound_cursor() as cursor, cursor.copy(f"COPY {table.name} ({table.column_list}) FROM STDIN") as out:
-        for row in rows:
-            out.write_row(row)
+    _copy_rows(table.name, table, rows)
 
 
-def _server_bound_cursor() -> psycopg.Cursor:
-    """A cursor of Django's connection (so in its transaction) that binds parameters server-side; Django's
-    own cursors bind client-side."""
+def _copy_rows(target: str, table: Table, rows: Sequence[tuple]) -> None:
     connection.ensure_connection()
-    return psycopg.Cursor(connection.connection)
+    # A cursor of Django's connection, so in its transaction: Django's own cursors have no COPY.
+    with psycopg.Cursor(connection.connection) as cursor:
+        with cursor.copy(f"COPY {target} ({table.column_list}) FROM STDIN") as out:
+            for row in rows:
+                out.write_row(row)
+
+
+def _insert_values(target: str, table: Table, rows: Sequence[tuple]) -> None:
+    placeholders = "(" + ", ".join(["%s"] * len(table.columns)) + ")"
+    with connection.cursor() as cursor:
+        for start in range(0, len(rows), SQLITE_ROWS_PER_STATEMENT):
+            chunk = rows[start : start + SQLITE_ROWS_PER_STATEMENT]
+            cursor.execute(
+                f"INSERT INTO {target} ({table.column_list}) VALUES {', '.join([placeholders] * len(chunk))}",
+                [value for row in chunk for value in row],
+            )

@@ -8,9 +8,13 @@ class Event(models.Model):
 
     KINDS = ["metric", "heartbeat", "comm", "log", "checkpoint", "state"]
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    # Foreign keys that lead one of the table's composite indexes get no index of their own: it would be
+    # kept up on every insert (thousands a second at 1,024 ranks) and answer nothing the composite does not.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events", db_index=False)
     seq = models.BigIntegerField()
-    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, null=True, blank=True, related_name="events")
+    attempt = models.ForeignKey(
+        Attempt, on_delete=models.CASCADE, null=True, blank=True, related_name="events", db_index=False
+    )
     kind = models.CharField(max_length=16, choices=[(k, k) for k in KINDS])
     # -1 is the launcher; null is the platform itself (e.g. a cancel request).
     rank = models.IntegerField(null=True, blank=True)
@@ -55,7 +59,7 @@ def wire_fields(seq: int, kind: str, attempt_number: int | None, rank, step, tim
 class IngestBatch(models.Model):
     """Each (attempt, rank, seq) batch is stored once; a retried batch is recognised here."""
 
-    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="batches")
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="batches", db_index=False)
     rank = models.IntegerField()
     seq = models.BigIntegerField()
     event_count = models.IntegerField()
@@ -72,7 +76,7 @@ class RankStep(models.Model):
     1,024-rank run read indexed rows instead of JSON."""
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="rank_steps")
-    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_steps")
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_steps", db_index=False)
     rank = models.IntegerField()
     step = models.BigIntegerField()
     time = models.DateTimeField(help_text="When the rank emitted the step's metrics.")
@@ -101,7 +105,7 @@ class RankTile(models.Model):
     kept as metrics arrive: a heatmap or band over 100,000 steps reads a few hundred tiles per rank
     instead of every step, and a spike survives as its tile's max."""
 
-    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_tiles")
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_tiles", db_index=False)
     span = models.IntegerField(help_text="Steps per tile: one of TILE_SPANS.")
     bucket = models.BigIntegerField(help_text="step // span")
     rank = models.IntegerField()
@@ -126,7 +130,7 @@ class RankStatus(models.Model):
     """What the platform last heard from each rank of an attempt: its host (the node a heatmap
     names), its last heartbeat and step."""
 
-    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_status")
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_status", db_index=False)
     rank = models.IntegerField()
     host = models.CharField(max_length=255, blank=True)
     pid = models.IntegerField(null=True)

@@ -290,46 +290,17 @@ def _project(events: list[StoredEvent]) -> None:
         for e in events
         if e.kind == "metric" and e.step is not None and e.rank >= 0
     ]
-    # A step reported twice (steps re-run in the same attempt) keeps its first report.
-    bulk.insert(RANK_STEPS, steps, "ON CONFLICT (attempt_id, rank, step) DO NOTHING")
-    _add_to_tiles(steps)
+    if steps:
+        with bulk.staged(RANK_STEPS, steps) as stage:
+            # A step reported twice (steps re-run in the same attempt) keeps its first report.
+            bulk.insert_from(RANK_STEPS, stage, "ON CONFLICT (attempt_id, rank, step) DO NOTHING")
+            _add_to_tiles(stage)
     _record_heartbeats([e for e in events if e.kind == "heartbeat"])
 
 
-class _TileSum:
-    """count, then (sum, min, max) of each tiled metric, in RANK_TILES' column order."""
-
-    __slots__ = ("count", "stats")
-
-    def __init__(self):
-        self.count = 0
-        self.stats = [[None, None, None] for _ in TILED_METRICS]
-
-    def add(self, values: tuple) -> None:
-        self.count += 1
-        for stat, value in zip(self.stats, values, strict=True):
-            if value is None:
-                continue
-            stat[0] = (stat[0] or 0.0) + value
-            stat[1] = value if stat[1] is None else min(stat[1], value)
-            stat[2] = value if stat[2] is None else max(stat[2], value)
-
-    def values(self) -> tuple:
-        return (self.count, *(value for stat in self.stats for value in stat))
-
-
-def _add_to_tiles(steps: list[tuple]) -> None:
-    """Fold the steps into every tile level: summed in Python first (one statement may not update a
-    row twice), then added to what each tile holds."""
-    positions = [RANK_STEP_COLUMNS.index(column) for column, _ in TILED_METRICS]
-    attempt_at, rank_at, step_at = (RANK_STEP_COLUMNS.index(name) for name in ("attempt_id", "rank", "step"))
-    tiles: dict[tuple[int, int, int, int], _TileSum] = defaultdict(_TileSum)
-    for row in steps:
-        values = tuple(row[position] for position in positions)
-        for span in TILE_SPANS:
-            tiles[(row[attempt_at], span, row[step_at] // span, row[rank_at])].add(values)
-    if not tiles:
-        return
+def _add_to_tiles(stage: str) -> None:
+    """Fold the staged RankStep rows into every tile level: summed per tile by the database (one
+    statement may not update a row twice), then added to what each tile holds."""
     table = RANK_TILES.name
     least, greatest = ("LEAST", "GREATEST") if connection.vendor == "postgresql" else ("MIN", "MAX")
 
@@ -347,8 +318,16 @@ def _add_to_tiles(steps: list[tuple]) -> None:
             for stat, how in (("sum", "sum"), ("min", least), ("max", greatest))
         ]
     )
-    rows = [(*key, *tile.values()) for key, tile in sorted(tiles.items())]
-    bulk.insert(RANK_TILES, rows, f"ON CONFLICT (attempt_id, span, bucket, rank) DO UPDATE SET {updates}")
+    # Aggregates skip NULLs and are NULL over none, as a tile's stats must.
+    sums = ", ".join(f"SUM({column}), MIN({column}), MAX({column})" for column, _ in TILED_METRICS)
+    spans = " UNION ALL ".join(f"SELECT {span} AS span" for span in TILE_SPANS)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} ({RANK_TILES.column_list}) "
+            f"SELECT attempt_id, span, step / span, rank, COUNT(*), {sums} FROM {stage} CROSS JOIN ({spans}) AS spans "
+            "WHERE true GROUP BY attempt_id, span, step / span, rank "
+            f"ON CONFLICT (attempt_id, span, bucket, rank) DO UPDATE SET {updates}"
+        )
 
 
 def _record_heartbeats(heartbeats: list[StoredEvent]) -> None:
