@@ -77,9 +77,10 @@ sys.path.insert(0, str(ROOT))
 from browser import RunPageFollower  # noqa: E402 — the benchmarks folder is on the path (it is the script's)
 
 from trainer.config import parse_config  # noqa: E402 — the repository root is on the path only now
+from trainer.ingest_connection import REJECTED_STATUSES  # noqa: E402
 from trainer.plan.hardware import ClusterSpec  # noqa: E402
 from trainer.plan.traffic import MAX_RANKS, predicted_rows  # noqa: E402
-from trainer.telemetry import REJECTED_STATUSES, REQUEST_TIMEOUT_S, backoff_delay, batch_body, encode_event  # noqa: E402
+from trainer.telemetry import REQUEST_TIMEOUT_S, backoff_delay, batch_body, encode_event  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 BENCH_REDIS_DB = 15
