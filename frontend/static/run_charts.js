@@ -731,6 +731,9 @@ window.loomRunCharts = (page, run, requestFrame) => {
   const commTimes = { finishedAt: 0, tookMs: 0, drawMs: 0 };
   run.refetchCosts.comm = commTimes;
   let commDrawn = { measured: null, predicted: null };
+  // What the predicted matrix on screen was drawn from: it is redrawn only when that changes (at 1,024
+  // ranks a matrix costs tens of ms to draw, and the prediction of a layout never changes).
+  let predictedDrawnFrom = null;
 
   async function fetchComm() {
     const ticket = (comm.ticket += 1);
@@ -860,9 +863,11 @@ window.loomRunCharts = (page, run, requestFrame) => {
       uirevision: `comm-${answer.attempt}`,
     });
     Plotly.react(elements.commMeasured, [trace(measured, !predicted)], layout("sending rank"), C.PLOT_CONFIG);
-    if (predicted)
+    const predictedFrom = predicted && JSON.stringify([answer.attempt, comm.kind, answer.block, low, high]);
+    if (predicted && predictedFrom !== predictedDrawnFrom)
       Plotly.react(elements.commPredicted, [trace(predicted, true)], layout("sending rank"), C.PLOT_CONFIG);
-    else Plotly.purge(elements.commPredicted);
+    else if (!predicted) Plotly.purge(elements.commPredicted);
+    predictedDrawnFrom = predictedFrom;
     const window = answer.window ? `steps ${answer.window[0]}–${answer.window[1]} (${answer.steps} steps)` : "";
     document.getElementById("comm-measured-note").textContent = answer.windows.length
       ? `attempt ${answer.attempt}, ${window}${answer.block > 1 ? `, ${answer.block} ranks per cell` : ""}`

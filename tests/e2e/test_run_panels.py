@@ -321,8 +321,16 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
 
     # Each rank's traffic of a new window: the matrix is fetched again and shows that window.
     assert page.evaluate("window.loomRun.panels.comm.window") == [551, 600]
+    page.evaluate(
+        """() => { window.predictedDraws = 0;
+                   const chart = document.getElementById("comm-predicted-chart");
+                   chart.on("plotly_afterplot", () => window.predictedDraws++); }"""
+    )
     ingest.post_ranks(lambda rank: [comm_event(rank, live[0], live[-1], now)])
     page.wait_for_function(f"window.loomRun.panels.comm.window[0] === {live[0]}", timeout=10_000)
+    drawn(page)
+    # The prediction of a layout does not change with the window: it is not drawn again.
+    assert page.evaluate("window.predictedDraws") == 0
 
 
 def test_csv_of_a_chart_holds_exactly_what_it_draws(sixteen_ranks, open_logged_in, tmp_path):
