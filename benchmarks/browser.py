@@ -42,8 +42,10 @@ class RunPageFollower:
     (1 MB/s at 1,024 ranks) and took a quarter of a core of this 2-core machine, which a user's browser
     on a machine of its own does not."""
 
-    def __init__(self, url: str, run_id: int, username: str, password: str):
-        self.url, self.run_id = url, run_id
+    def __init__(self, url: str, run_id: int, username: str, password: str, section: str = "ranks"):
+        """`section`: the id of the run page's section the user looks at (the page redraws only the charts
+        in view); "ranks" holds the per-rank step time and memory."""
+        self.url, self.run_id, self.section = url, run_id, section
         self.username, self.password = username, password
         self._profile = tempfile.TemporaryDirectory(prefix="loom-follower-")
         self._port = _free_port()
@@ -69,6 +71,7 @@ class RunPageFollower:
         ]
         self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._evaluate("window.loomRun && window.loomRun.snapshotSeq !== null", wait_s=timeout_s)
+        self._evaluate(f"(document.getElementById({self.section!r}).scrollIntoView(), true)")
 
     def finish(self, settle_s: float) -> dict:
         """After `settle_s` more seconds (for the last points to arrive and be drawn), what the page measured:

@@ -31,6 +31,7 @@ whether the server kept up (a batch acknowledged within one period of being cut)
 and CPU; then, one request at a time after the load, where one ingest's time goes.
 
 With `--follow`, a user's headless Chromium (benchmarks/browser.py) has the run page open through the load,
+scrolled to its Ranks section (per-rank step time and memory; the page redraws only the charts in view),
 and the page's own measurements are reported: for each point it drew from a live event, the time from the
 event's emit (its `time`: here the moment its batch was cut and sent, so no flush wait is in it) to the
 frame that drew it, for the loss chart (a step's first report) and for the step-time band (every rank's
@@ -697,7 +698,8 @@ def page_rows(page: dict, stored: dict) -> list[tuple[str, str]]:
     rows = []
     for name, values in (("loss points (a step's first report)", page["loss"]), ("step-time points", page["ranks"])):
         figures = " / ".join(f"{percentile(values, q):,.0f} ms" for q in (0.5, 0.95, 0.99))
-        rows.append((f"emit → drawn p50 / p95 / p99, {name}", f"{figures} over {len(values):,} points"))
+        drawn = f"{figures} over {len(values):,} points" if values else "none drawn live: the chart was out of view"
+        rows.append((f"emit → drawn p50 / p95 / p99, {name}", drawn))
     for stage, name in enumerate(("emit → sent to the page", "sent → received", "received → drawn")):
         values = [stages[stage] for stages in page["rankStages"]]
         figures = " / ".join(f"{percentile(values, q):,.0f} ms" for q in (0.5, 0.95, 0.99))

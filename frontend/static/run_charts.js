@@ -1053,6 +1053,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
       dirty.add("comm");
       requestFrame();
     });
+    for (const chart of Object.values(elements)) viewWatcher.observe(chart);
     commKindSelect.replaceChildren(
       new Option("all kinds", ""),
       ...KINDS.map((kind) => new Option(`${kind} only`, kind)),
@@ -1097,14 +1098,42 @@ window.loomRunCharts = (page, run, requestFrame) => {
     if (event.attempt !== null && followedAttempt(event)) scheduleComm();
   }
 
+  // ---- drawing what can be seen ----
+
+  // A chart out of view is not redrawn as events arrive: at 1,024 ranks a redraw takes the page's one
+  // thread for 10–80 ms, and a page has ten charts. Its data keeps up; it is drawn as it comes into view
+  // (a margin ahead, so a scroll finds it drawn). Each chart is drawn once wherever it is, so a page
+  // scrolled later never shows an empty one.
+  const outOfView = new Set();
+  const drawnOnce = new Set();
+  const viewWatcher = new IntersectionObserver(
+    (entries) => {
+      for (const entry of entries) {
+        if (entry.isIntersecting) outOfView.delete(entry.target);
+        else outOfView.add(entry.target);
+      }
+      requestFrame();
+    },
+    { rootMargin: "200px 0px" },
+  );
+
+  function chartOf(item) {
+    if (typeof item === "object") return elements[item.metric];
+    if (item === "comm") return elements.commMeasured;
+    return elements[item];
+  }
+
   function draw() {
     for (const item of dirty) {
+      const chart = chartOf(item);
+      if (outOfView.has(chart) && drawnOnce.has(chart)) continue;
+      dirty.delete(item);
+      drawnOnce.add(chart);
       if (typeof item === "object") drawRanks(item);
       else if (item === "heatmap") drawHeatmap();
       else if (item === "comm") drawComm();
       else drawSeries(item);
     }
-    dirty.clear();
   }
 
   // The latest throughput and the highest memory the snapshot holds, for the predicted-vs-measured table.

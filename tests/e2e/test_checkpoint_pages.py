@@ -23,7 +23,9 @@ from .test_pages import TINY_FORM
 pytestmark = pytest.mark.e2e
 
 TRAINING_TIMEOUT_MS = 240_000
-VIEWPORT = {"width": 1280, "height": 1100}
+# Tall enough for the whole run page: the page redraws only the charts in view, and these tests follow
+# every panel at once (test_charts_out_of_view_wait_to_be_redrawn_until_they_come_into_view scrolls).
+VIEWPORT = {"width": 1280, "height": 4000}
 LAYOUT = ParallelConfig(dp_replicate=2).model_dump(mode="json")
 CHECKPOINTED = {**TINY_CONFIG, "checkpoint": {"interval_steps": 5}}
 STEP_TIME_S = 1.0
