@@ -649,6 +649,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
         scheduleHeatmap();
         return;
       }
+      if (waitUntilInView(elements.heatmap, scheduleHeatmap)) return;
       fetchHeatmap().catch(() => scheduleHeatmap());
     }, refetchWait(heatmapTimes));
   }
@@ -767,6 +768,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
     if (commTimer !== null || (comm.window && comm.window !== "all")) return;
     commTimer = setTimeout(() => {
       commTimer = null;
+      if (waitUntilInView(elements.commMeasured, scheduleComm)) return;
       fetchComm().catch(() => scheduleComm());
     }, refetchWait(commTimes));
   }
@@ -1103,19 +1105,36 @@ window.loomRunCharts = (page, run, requestFrame) => {
   // A chart out of view is not redrawn as events arrive: at 1,024 ranks a redraw takes the page's one
   // thread for 10–80 ms, and a page has ten charts. Its data keeps up; it is drawn as it comes into view
   // (a margin ahead, so a scroll finds it drawn). Each chart is drawn once wherever it is, so a page
-  // scrolled later never shows an empty one.
+  // scrolled later never shows an empty one. The heatmap and the traffic matrix, which are fetched again
+  // rather than patched, are not fetched while out of view either: at 1,024 ranks an answer takes the
+  // server 250 ms to 1 s, which the run's ingest and every other page wait behind.
   const outOfView = new Set();
   const drawnOnce = new Set();
+  const refetchWhenInView = new Map();
+  run.waitingForView = refetchWhenInView;
   const viewWatcher = new IntersectionObserver(
     (entries) => {
       for (const entry of entries) {
-        if (entry.isIntersecting) outOfView.delete(entry.target);
-        else outOfView.add(entry.target);
+        if (!entry.isIntersecting) {
+          outOfView.add(entry.target);
+          continue;
+        }
+        outOfView.delete(entry.target);
+        const refetch = refetchWhenInView.get(entry.target);
+        refetchWhenInView.delete(entry.target);
+        if (refetch) refetch();
       }
       requestFrame();
     },
     { rootMargin: "200px 0px" },
   );
+
+  // True when `chart` waits out of view: `refetch` then runs as it comes into view.
+  function waitUntilInView(chart, refetch) {
+    if (!outOfView.has(chart) || !drawnOnce.has(chart)) return false;
+    refetchWhenInView.set(chart, refetch);
+    return true;
+  }
 
   function chartOf(item) {
     if (typeof item === "object") return elements[item.metric];

@@ -366,6 +366,8 @@ def test_charts_out_of_view_wait_to_be_redrawn_until_they_come_into_view(sixteen
     run, ingest = sixteen_ranks
     page = open_logged_in(f"/runs/{run.pk}/", {"width": 1280, "height": 800})
     page.wait_for_function("window.loomRun && window.loomRun.snapshotSeq !== null", timeout=30_000)
+    heatmap_queries = []
+    page.on("request", lambda request: "/metrics/heatmap?" in request.url and heatmap_queries.append(request.url))
     # Drawn once from the snapshot, wherever they are.
     wait_for_chart(page, "loss-chart", f"data.length === 1 && data[0].x.length === {STEPS}")
     wait_for_chart(page, "step-time-chart", "data.length === 3")
@@ -389,10 +391,20 @@ def test_charts_out_of_view_wait_to_be_redrawn_until_they_come_into_view(sixteen
     assert page.evaluate("document.getElementById('step-time-chart').data[2].x.at(-1)") < live[-1]
     assert page.evaluate("window.loomRun.lastSeq") == page.evaluate("window.loomRun.snapshotSeq") + RANKS * len(live)
 
-    # Scrolled to, it is drawn with what arrived meanwhile.
+    # The heatmap below is not even fetched again: its refetch waits for it to come into view.
+    page.wait_for_function(
+        "[...window.loomRun.waitingForView.keys()].some((chart) => chart.id === 'rank-heatmap')", timeout=30_000
+    )
+    assert heatmap_queries == []
+    assert page.evaluate("document.getElementById('rank-heatmap').data[0].x.at(-1)") == STEPS
+
+    # Scrolled to, each is drawn with what arrived meanwhile.
     page.locator("#step-time-chart").scroll_into_view_if_needed()
     wait_for_chart(page, "step-time-chart", f"data[2].x[data[2].x.length - 1] === {live[-1]}")
     assert page.evaluate("window.redraws['step-time-chart']") >= 1
+    page.locator("#rank-heatmap").scroll_into_view_if_needed()
+    wait_for_chart(page, "rank-heatmap", f"data[0].x[data[0].x.length - 1] === {live[-1]}")
+    assert len(heatmap_queries) == 1
 
 
 def test_zooming_asks_for_that_range_and_a_double_click_goes_back(sixteen_ranks, open_logged_in):
