@@ -193,6 +193,14 @@ class OptimizerConfig(_Section):
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables clipping.")
     offload: bool = Field(False, description="Keep optimizer states and master weights in CPU memory (ZeRO-Offload).")
+    on_non_finite: Literal["skip", "stop", "continue"] = Field(
+        "skip",
+        description=(
+            "When a step's global gradient norm is NaN or infinite (so is its loss, or will be): skip = every rank "
+            "drops the step's gradients and keeps its parameters (the step is reported, marked update_skipped); "
+            "stop = the run fails at that step, before the update; continue = apply it anyway."
+        ),
+    )
 
 
 class DataConfig(_Section):
@@ -297,8 +305,8 @@ class FaultsConfig(_Section):
         None,
         ge=1,
         description=(
-            "At this step the loss and every gradient become NaN on every rank, so the parameters diverge from "
-            "then on, like a loss spike; null never."
+            "At this step the loss and every gradient become NaN on every rank, as in a loss spike; what follows "
+            "is optimizer.on_non_finite's (skip: the update is dropped; continue: the parameters diverge); null never."
         ),
     )
     corrupt_checkpoint_step: int | None = Field(
@@ -326,6 +334,71 @@ class RestartConfig(_Section):
     )
 
 
+class AlertsConfig(_Section):
+    """When the platform raises an alert while the run trains (the trainer itself ignores this section).
+    Spikes are judged by a robust z-score: how many scaled median absolute deviations a value lies above the
+    median of the `window` steps before it."""
+
+    enabled: bool = Field(True, description="Run the detectors on this run's telemetry; false: no alerts at all.")
+    window: int = Field(
+        50, ge=5, le=10_000, description="Steps of history behind a step that spikes and drops are judged against."
+    )
+    min_history: int = Field(
+        10, ge=3, le=10_000, description="Steps of history a spike or drop needs before it is judged at all."
+    )
+
+    loss_spike_z: float = Field(
+        6.0, gt=0, description="A step's loss this many robust deviations above its window's median is a spike."
+    )
+    loss_spike_factor: float = Field(
+        10.0,
+        gt=1,
+        description="A loss above this multiple of the highest loss of its window is a spike (Megatron's rule).",
+    )
+    grad_norm_spike_z: float = Field(
+        6.0, gt=0, description="A gradient norm this many robust deviations above its window's median is a spike."
+    )
+    throughput_drop: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description="Tokens/s this fraction below the window's median, throughput_drop_steps steps running, is a drop.",
+    )
+    throughput_drop_steps: int = Field(3, ge=1, le=1000, description="Consecutive slow steps that make a drop.")
+    memory_creep: float = Field(
+        0.1,
+        gt=0,
+        description=(
+            "Memory creep: a rank's memory over the last third of the window this fraction above the first third, "
+            "rising in each third."
+        ),
+    )
+    straggler_score: float = Field(
+        0.7,
+        gt=0,
+        lt=1,
+        description=(
+            "A rank whose step time is above the step's median over all ranks divided by this, straggler_steps steps "
+            "running, is a straggler (the score nvidia-resiliency-ext uses: median / own time below 0.7)."
+        ),
+    )
+    straggler_steps: int = Field(5, ge=1, le=1000, description="Consecutive slow steps that make a straggler.")
+    clear_after_steps: int = Field(
+        20,
+        ge=1,
+        le=100_000,
+        description="An open alert whose condition has not been seen for this many steps resolves by itself.",
+    )
+
+    @field_validator("min_history")
+    @classmethod
+    def _history_within_window(cls, min_history: int, info: ValidationInfo) -> int:
+        window = info.data.get("window")
+        if window is not None and min_history > window:
+            raise ValueError(f"must be at most window={window}")
+        return min_history
+
+
 class RunConfig(_Section):
     """Everything a run needs; the same document is validated by the API and by the trainer."""
 
@@ -339,6 +412,7 @@ class RunConfig(_Section):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     restart: RestartConfig = Field(default_factory=RestartConfig)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
 
     @property
     def tokens_per_step(self) -> int:

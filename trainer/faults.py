@@ -66,8 +66,8 @@ def slow_down(faults: FaultsConfig, rank: int) -> None:
 def diverge(
     faults: FaultsConfig, step: int, loss: torch.Tensor | None, parameters: list[torch.nn.Parameter]
 ) -> torch.Tensor | None:
-    """The step's loss, or NaN at faults.nan_at_step. Then every gradient is NaN too, so the optimizer
-    step writes NaN into the parameters and later steps diverge as after a real loss spike. Every rank
+    """The step's loss, or NaN at faults.nan_at_step. Then every gradient is NaN too, so the global gradient
+    norm is, as after a real loss spike (what the update then does is optimizer.on_non_finite's). Every rank
     poisons its own gradients: each holds shards or stages no other rank does."""
     if faults.nan_at_step != step:
         return loss

@@ -231,8 +231,10 @@ def train(
                 loss = parallel_model.forward_backward(inputs, targets)
                 loss = faults.diverge(config.faults, step, loss, parameters)
                 norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh)
-                checkpointer.before_update()
-                optimizer.step()
+                update = update_allowed(config.optimizer.on_non_finite, step, norm)
+                if update:
+                    checkpointer.before_update()
+                    optimizer.step()
 
                 # One collective per step carries the loss sum, how many ranks hold a loss (only the last
                 # pipeline stage does), the stop vote and the checkpoint-clock vote, so every rank leaves
@@ -256,6 +258,8 @@ def train(
             }
             if local_loss is not None:
                 metrics["loss"] = local_loss
+            if not update:
+                metrics["update_skipped"] = 1.0
             if step == first_step:
                 metrics |= state_bytes(parameters, optimizer)
             comm_s = comm.step_finished(step)
@@ -282,6 +286,21 @@ def train(
     checkpointer.finish(last_step, last_loss)
     checkpointer.close()
     return Outcome(last_step=last_step, stopped=bool(stop_votes), parallel_model=parallel_model, mesh=mesh)
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def update_allowed(policy: str, step: int, grad_norm: float) -> bool:
+    """Whether the optimizer applies this step (optimizer.on_non_finite). The norm is global, so every rank
+    decides alike and none waits in a collective the others skip."""
+    if math.isfinite(grad_norm) or policy == "continue":
+        return True
+    if policy == "stop":
+        raise NonFiniteError(f"gradient norm {grad_norm} at step {step}: stopping (optimizer.on_non_finite = stop)")
+    logger.warning("gradient norm %s at step %d: update skipped (optimizer.on_non_finite = skip)", grad_norm, step)
+    return False
 
 
 def to_local_value(value: torch.Tensor) -> float:

@@ -27,6 +27,7 @@ INSTALLED_APPS = [
     "loom.telemetry",
     "loom.planner",
     "loom.checkpoints",
+    "loom.alerts",
 ]
 
 MIDDLEWARE = [
@@ -157,6 +158,8 @@ LOOM_INGEST_MAX_EVENTS = 5000
 LOOM_CANCEL_GRACE_S = float(os.environ.get("LOOM_CANCEL_GRACE_S", "10"))
 # A run's pages get at most one websocket message per this interval from each web process.
 LOOM_FANOUT_INTERVAL_S = float(os.environ.get("LOOM_FANOUT_INTERVAL_S", "0.1"))
+# How often a web process judges each attempt that reported metrics (loom/alerts/watch.py).
+LOOM_ALERTS_INTERVAL_S = float(os.environ.get("LOOM_ALERTS_INTERVAL_S", "1.0"))
 
 LOGGING = {
     "version": 1,

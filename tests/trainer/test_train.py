@@ -11,7 +11,7 @@ import pytest
 
 from trainer.config import OptimizerConfig
 from trainer.telemetry import read_spool
-from trainer.train import STOPPED_EXIT_CODE, USAGE_EXIT_CODE, learning_rate, main
+from trainer.train import STOPPED_EXIT_CODE, USAGE_EXIT_CODE, NonFiniteError, learning_rate, main, update_allowed
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
@@ -179,3 +179,11 @@ def test_the_learning_rate_warms_up_linearly_then_decays_to_its_floor():
     assert rates[-1] == pytest.approx(1e-4)
     without_warmup = optimizer.model_copy(update={"warmup_steps": 0})
     assert 0.99e-3 < learning_rate(1, 20, without_warmup) < 1e-3
+
+
+def test_a_non_finite_gradient_norm_is_skipped_stopped_or_applied_as_configured():
+    assert update_allowed("skip", 3, 1.5) and update_allowed("stop", 3, 1.5)
+    assert not update_allowed("skip", 3, float("nan"))
+    assert update_allowed("continue", 3, float("inf"))
+    with pytest.raises(NonFiniteError, match="step 3"):
+        update_allowed("stop", 3, float("nan"))

@@ -1,6 +1,7 @@
 from django.contrib.auth.decorators import login_required
 from ninja import NinjaAPI
 
+from loom.alerts.api import router as alerts_router
 from loom.checkpoints.api import router as checkpoints_router
 from loom.planner.api import router as planner_router
 from loom.runs.api import router as runs_router
@@ -12,4 +13,5 @@ api = NinjaAPI(title="loom", version="1", auth=user_auth, urls_namespace="api", 
 api.add_router("/", runs_router)
 api.add_router("/", telemetry_router)
 api.add_router("/", checkpoints_router)
+api.add_router("/", alerts_router)
 api.add_router("/plan/", planner_router)

@@ -1,10 +1,13 @@
 """The run pages. Thin: services decide, templates show, frontend/static/run.js keeps the run page live."""
 
 from django.contrib.auth.decorators import login_required
+from django.db.models import Count, Q
 from django.http import Http404
 from django.shortcuts import redirect, render
 from django.urls import reverse
 
+from loom.alerts.detectors import CRITICAL
+from loom.alerts.models import Alert
 from trainer.config import world_size_of
 
 from . import services, states
@@ -23,7 +26,13 @@ COMPARE_RUNS_MAX = 8
 
 @login_required
 def run_list(request):
-    return render(request, "runs/list.html", {"runs": services.runs_for(request.user)})
+    """Each run with how many of its alerts are live and how many of those are critical."""
+    live = Q(alerts__state__in=Alert.LIVE)
+    runs = services.runs_for(request.user).annotate(
+        live_alerts=Count("alerts", filter=live),
+        critical_alerts=Count("alerts", filter=live & Q(alerts__severity=CRITICAL)),
+    )
+    return render(request, "runs/list.html", {"runs": runs})
 
 
 @login_required

@@ -16,6 +16,7 @@ from itertools import groupby
 from django.db import connection, transaction
 from django.utils import timezone
 
+from loom.alerts.watch import watcher
 from loom.checkpoints.services import record_checkpoint_event
 from loom.runs import services as run_services
 from loom.runs.models import Attempt
@@ -140,6 +141,13 @@ def store_batches(batches: list[PendingBatch]) -> list[IngestResult]:
         events = _append(new)
         _project(events)
         _apply_special(events)
+        metrics = [
+            (event.batch.attempt_id, event.rank, event.step, event.payload)
+            for event in events
+            if event.kind == "metric"
+        ]
+        if metrics:
+            transaction.on_commit(lambda: watcher.notice(metrics))
     return [
         IngestResult(stored=len(batch.events), duplicate=False) if is_new else IngestResult(stored=0, duplicate=True)
         for batch, is_new in zip(batches, fresh, strict=True)

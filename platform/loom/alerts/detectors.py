@@ -1,0 +1,213 @@
+"""The detectors: plain functions from a run's recent telemetry to findings, no database and no state.
+
+Each takes the rows a step's telemetry left (evaluate.py reads them) and the run's `alerts` config, and
+answers what it sees now. Spikes are judged one step at a time against the window of steps before it by a
+robust z-score (median and scaled median absolute deviation, which one outlier cannot drag along the way a
+mean and standard deviation can); conditions (a drop, creep, a straggler) by the latest steps.
+"""
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from trainer.config import AlertsConfig
+
+NON_FINITE = "non_finite"
+LOSS_SPIKE = "loss_spike"
+GRAD_NORM_SPIKE = "grad_norm_spike"
+THROUGHPUT_DROP = "throughput_drop"
+MEMORY_CREEP = "memory_creep"
+STRAGGLER = "straggler"
+
+CRITICAL = "critical"
+WARNING = "warning"
+
+# The median absolute deviation of normally distributed values times this is their standard deviation.
+MAD_TO_SIGMA = 1.4826
+# A window of identical values has no spread; a value must then still stand out by this fraction of the
+# median (or by an absolute hair for a median of zero) to count as a deviation at all.
+RELATIVE_SPREAD_FLOOR = 1e-3
+ABSOLUTE_SPREAD_FLOOR = 1e-12
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One step of the run as a whole: its loss and gradient norm (the same on every rank that reports
+    them), the mean of the ranks' tokens/s, and the highest memory of any rank with the rank holding it."""
+
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None
+    tokens_per_s: float | None = None
+    memory_bytes: int | None = None
+    memory_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    step: int
+    severity: str
+    message: str
+    rank: int | None = None
+    ranks: tuple[int, ...] = ()
+    details: dict = field(default_factory=dict)
+
+
+def robust_z(value: float, history: Sequence[float]) -> float:
+    """How many scaled median absolute deviations `value` lies above the median of `history`."""
+    median = statistics.median(history)
+    deviation = statistics.median(abs(item - median) for item in history) * MAD_TO_SIGMA
+    spread = max(deviation, RELATIVE_SPREAD_FLOOR * abs(median), ABSOLUTE_SPREAD_FLOOR)
+    return (value - median) / spread
+
+
+def _values(rows: Iterable[StepRow], name: str) -> list[tuple[int, float]]:
+    return [(row.step, value) for row in rows if (value := getattr(row, name)) is not None and math.isfinite(value)]
+
+
+def loss_spikes(rows: Sequence[StepRow], config: AlertsConfig, after_step: int) -> list[Finding]:
+    """Steps past `after_step` whose loss is a spike by the z-score or by the multiple of the window's highest."""
+    findings = []
+    for step, loss, history in _judged(_values(rows, "loss"), config, after_step):
+        z = robust_z(loss, history)
+        highest = max(history)
+        if z >= config.loss_spike_z or loss > config.loss_spike_factor * highest:
+            median = statistics.median(history)
+            message = f"loss {loss:.4g} at step {step}: {z:.1f} robust deviations above the median {median:.4g}"
+            if loss > config.loss_spike_factor * highest:
+                message += f", over {config.loss_spike_factor:g}× the window's highest ({highest:.4g})"
+            details = {"value": loss, "median": median, "z": round(z, 2), "highest": highest}
+            findings.append(Finding(LOSS_SPIKE, step, WARNING, message, details=details))
+    return findings
+
+
+def grad_norm_spikes(rows: Sequence[StepRow], config: AlertsConfig, after_step: int) -> list[Finding]:
+    findings = []
+    for step, norm, history in _judged(_values(rows, "grad_norm"), config, after_step):
+        z = robust_z(norm, history)
+        if z >= config.grad_norm_spike_z:
+            median = statistics.median(history)
+            message = (
+                f"gradient norm {norm:.4g} at step {step}: {z:.1f} robust deviations above the median {median:.4g}"
+            )
+            details = {"value": norm, "median": median, "z": round(z, 2)}
+            findings.append(Finding(GRAD_NORM_SPIKE, step, WARNING, message, details=details))
+    return findings
+
+
+def _judged(series: list[tuple[int, float]], config: AlertsConfig, after_step: int):
+    """Each (step, value, the window of values before it) past `after_step` with enough history."""
+    for index, (step, value) in enumerate(series):
+        if step <= after_step:
+            continue
+        history = [item for _, item in series[max(0, index - config.window) : index]]
+        if len(history) >= config.min_history:
+            yield step, value, history
+
+
+def throughput_drop(rows: Sequence[StepRow], config: AlertsConfig) -> list[Finding]:
+    """The last throughput_drop_steps steps each below (1 − throughput_drop) × the median of the window before them."""
+    series = _values(rows, "tokens_per_s")
+    recent, before = series[-config.throughput_drop_steps :], series[: -config.throughput_drop_steps]
+    history = [value for _, value in before[-config.window :]]
+    if len(recent) < config.throughput_drop_steps or len(history) < config.min_history:
+        return []
+    median = statistics.median(history)
+    floor = (1 - config.throughput_drop) * median
+    if not all(value < floor for _, value in recent):
+        return []
+    step, value = recent[-1]
+    message = (
+        f"tokens/s {value:,.0f} at step {step}, below {floor:,.0f} ({1 - config.throughput_drop:.0%} of the median "
+        f"{median:,.0f}) for {len(recent)} steps"
+    )
+    details = {"value": value, "median": median, "steps": [s for s, _ in recent]}
+    return [Finding(THROUGHPUT_DROP, step, WARNING, message, details=details)]
+
+
+def memory_creep(rows: Sequence[StepRow], config: AlertsConfig) -> list[Finding]:
+    """The highest memory of any rank, over a full window, rising from third to third by memory_creep in all."""
+    series = [row for row in rows if row.memory_bytes is not None][-config.window :]
+    if len(series) < max(config.min_history, 3) or len(series) < config.window:
+        return []
+    third = len(series) // 3
+    first, middle, last = (
+        statistics.median(row.memory_bytes for row in part)
+        for part in (series[:third], series[third : 2 * third], series[2 * third :])
+    )
+    if not (first <= middle <= last and last >= (1 + config.memory_creep) * first):
+        return []
+    latest = series[-1]
+    message = (
+        f"memory of rank {latest.memory_rank} rose from {first / 2**20:,.0f} to {last / 2**20:,.0f} MiB "
+        f"(+{last / first - 1:.0%}) over steps {series[0].step}–{latest.step}"
+    )
+    details = {"first_third_bytes": first, "last_third_bytes": last, "steps": [series[0].step, latest.step]}
+    rank = latest.memory_rank
+    return [Finding(MEMORY_CREEP, latest.step, WARNING, message, rank=rank, ranks=(rank,), details=details)]
+
+
+def stragglers(
+    step_times: dict[int, dict[int, float]],
+    config: AlertsConfig,
+    host: Callable[[int], str],
+    measure: str = "step time",
+) -> list[Finding]:
+    """Ranks whose step time stayed above the step's median / straggler_score for the last straggler_steps
+    steps (each step with at least two ranks reporting), one finding per rank, naming its host. `measure`
+    names what the times are in the message."""
+    steps = sorted(step for step, times in step_times.items() if len(times) >= 2)[-config.straggler_steps :]
+    if len(steps) < config.straggler_steps:
+        return []
+    slow: set[int] | None = None
+    scores: dict[int, list[float]] = {}
+    for step in steps:
+        times = step_times[step]
+        median = statistics.median(times.values())
+        slow_here = set()
+        for rank, seconds in times.items():
+            if seconds > 0 and median / seconds < config.straggler_score:
+                slow_here.add(rank)
+                scores.setdefault(rank, []).append(median / seconds)
+        slow = slow_here if slow is None else slow & slow_here
+    findings = []
+    for rank in sorted(slow or ()):
+        node = host(rank)
+        times = [step_times[step][rank] for step in steps]
+        medians = [statistics.median(step_times[step].values()) for step in steps]
+        worst = min(scores[rank])
+        where = f" on {node}" if node else ""
+        message = (
+            f"rank {rank}{where} is a straggler: {measure} {times[-1]:.3g} s against a median of {medians[-1]:.3g} s "
+            f"(score {worst:.2f} < {config.straggler_score:g}) for {len(steps)} steps"
+        )
+        details = {"host": node, "steps": steps, "step_times": times, "medians": medians, "score": round(worst, 3)}
+        findings.append(Finding(STRAGGLER, steps[-1], WARNING, message, rank=rank, ranks=(rank,), details=details))
+    return findings
+
+
+def non_finite(reports: Iterable[tuple[int, int, str, object]]) -> list[Finding]:
+    """From (rank, step, metric name, value) of the metrics just stored: one finding for the first step whose
+    loss or gradient norm is NaN or infinite, naming every rank that reported a non-finite value."""
+    bad: dict[int, dict[int, set[str]]] = {}
+    for rank, step, name, value in reports:
+        if not is_finite(value):
+            bad.setdefault(step, {}).setdefault(rank, set()).add(name)
+    if not bad:
+        return []
+    step = min(bad)
+    ranks = tuple(sorted(bad[step]))
+    names = sorted(set().union(*bad[step].values()))
+    shown = ", ".join(str(rank) for rank in ranks[:8]) + (" …" if len(ranks) > 8 else "")
+    message = f"{' and '.join(names)} not finite at step {step} on {len(ranks)} rank(s): {shown}"
+    details = {"metrics": names, "steps": sorted(bad)}
+    return [Finding(NON_FINITE, step, CRITICAL, message, ranks=ranks, details=details)]
+
+
+def is_finite(value: object) -> bool:
+    """Non-finite floats travel as the strings "NaN", "Infinity" and "-Infinity" (JSON has no bare NaN)."""
+    if isinstance(value, str):
+        return value not in ("NaN", "Infinity", "-Infinity")
+    return not isinstance(value, float) or math.isfinite(value)

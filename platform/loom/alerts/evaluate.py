@@ -1,0 +1,128 @@
+"""One pass of the detectors over an attempt: read its recent steps from the tables ingest fills, ask each
+detector, and record what they found (services.py).
+
+The steps are read from RankStep, so any web process can judge any attempt and a restarted one picks up
+where the last left off; only `judged_through` (the last step the spike detectors have seen) is the
+caller's to keep, and losing it means judging a window again, which opens nothing twice.
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.db.models import Avg, Count, Max, Min
+from django.db.models.functions import Coalesce
+
+from loom.runs.models import Attempt
+from loom.telemetry.models import RankStatus, RankStep
+from trainer.config import AlertsConfig
+
+from . import detectors
+from .detectors import StepRow
+from .services import Changes, clear_stale, record
+
+
+@dataclass(frozen=True)
+class Pass:
+    changes: Changes
+    judged_through: int
+
+
+def alerts_config(attempt: Attempt) -> AlertsConfig:
+    return AlertsConfig.model_validate(attempt.config.get("alerts", {}))
+
+
+def evaluate(attempt: Attempt, non_finite_reports: list[tuple[int, int, str, object]], judged_through: int) -> Pass:
+    """Judge the attempt's steps after `judged_through` (spikes) and its latest steps (conditions)."""
+    config = alerts_config(attempt)
+    if not config.enabled:
+        return Pass(Changes([], [], []), judged_through)
+    rows = _step_rows(attempt, config)
+    host = _host_lookup(attempt)
+    findings = detectors.non_finite(non_finite_reports)
+    if rows:
+        findings += detectors.loss_spikes(rows, config, judged_through)
+        findings += detectors.grad_norm_spikes(rows, config, judged_through)
+        findings += detectors.throughput_drop(rows, config)
+        findings += detectors.memory_creep(_with_memory_rank(attempt, rows), config)
+        times, measure = _step_times(attempt, config)
+        findings += detectors.stragglers(times, config, host, measure)
+    latest = max((row.step for row in rows), default=judged_through)
+    with transaction.atomic():
+        changes = record(attempt, findings, host)
+        resolved = clear_stale(attempt, latest, config.clear_after_steps)
+    return Pass(Changes(changes.opened, changes.updated, resolved), max(latest, judged_through))
+
+
+def _step_rows(attempt: Attempt, config: AlertsConfig) -> list[StepRow]:
+    """The run-level view of the latest window (and the steps a drop or a straggler needs on top)."""
+    latest = RankStep.objects.filter(attempt=attempt).aggregate(latest=Max("step"))["latest"]
+    if latest is None:
+        return []
+    span = config.window + max(config.throughput_drop_steps, config.straggler_steps) + 1
+    grouped = (
+        RankStep.objects.filter(attempt=attempt, step__gt=latest - span)
+        .values("step")
+        .annotate(
+            loss=Min(Coalesce("loss_mean", "loss")),
+            grad_norm=Max("grad_norm"),
+            tokens_per_s=Avg("tokens_per_s"),
+            memory_bytes=Max("memory_bytes"),
+        )
+        .order_by("step")
+    )
+    return [
+        StepRow(row["step"], row["loss"], row["grad_norm"], row["tokens_per_s"], row["memory_bytes"]) for row in grouped
+    ]
+
+
+def _with_memory_rank(attempt: Attempt, rows: list[StepRow]) -> list[StepRow]:
+    """The rows with the last one naming the rank that holds its highest memory."""
+    last = rows[-1]
+    if last.memory_bytes is None:
+        return rows
+    rank = (
+        RankStep.objects.filter(attempt=attempt, step=last.step, memory_bytes=last.memory_bytes)
+        .order_by("rank")
+        .values_list("rank", flat=True)
+        .first()
+    )
+    named = StepRow(last.step, last.loss, last.grad_norm, last.tokens_per_s, last.memory_bytes, rank)
+    return [*rows[:-1], named]
+
+
+def _step_times(attempt: Attempt, config: AlertsConfig) -> tuple[dict[int, dict[int, float]], str]:
+    """Each rank's own time of the latest straggler_steps steps every rank has reported, and what it is. A
+    rank's own time is its compute time where every rank of the step measured one (the others' waits for a
+    slow rank are in their collectives, so their whole step times match the slow rank's), else its step time."""
+    counts = (
+        RankStep.objects.filter(attempt=attempt)
+        .values("step")
+        .annotate(ranks=Count("id"), computed=Count("compute_s"))
+        .order_by("-step")[: config.straggler_steps * 2 + 1]
+    )
+    counts = list(counts)
+    if not counts:
+        return {}, ""
+    world = max(row["ranks"] for row in counts)
+    complete = [row for row in counts if row["ranks"] == world][: config.straggler_steps]
+    use_compute = all(row["computed"] == row["ranks"] for row in complete)
+    column = "compute_s" if use_compute else "step_time_s"
+    times: dict[int, dict[int, float]] = {}
+    for step, rank, seconds in RankStep.objects.filter(
+        attempt=attempt, step__in=[row["step"] for row in complete]
+    ).values_list("step", "rank", column):
+        if seconds is not None:
+            times.setdefault(step, {})[rank] = seconds
+    return times, "compute time" if use_compute else "step time"
+
+
+def _host_lookup(attempt: Attempt) -> Callable[[int], str]:
+    """A rank's host, read when first asked for: a pass that finds no rank asks for none of 1,024."""
+
+    @functools.cache
+    def host(rank: int) -> str:
+        return RankStatus.objects.filter(attempt=attempt, rank=rank).values_list("host", flat=True).first() or ""
+
+    return host

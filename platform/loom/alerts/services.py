@@ -1,0 +1,122 @@
+"""An alert's life: opened by a finding, updated while its condition is seen again, acknowledged or
+resolved by a user, or resolved by itself once its condition has not been seen for clear_after_steps steps."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from loom.runs.models import Attempt
+
+from .detectors import Finding
+from .models import Alert
+
+
+class AlertStateError(ValueError):
+    """The change asked for does not apply to the alert as it stands."""
+
+
+@dataclass(frozen=True)
+class Changes:
+    opened: list[Alert]
+    updated: list[Alert]
+    resolved: list[Alert]
+
+    def __bool__(self) -> bool:
+        return bool(self.opened or self.updated or self.resolved)
+
+
+def alert_key(rule: str, rank: int | None) -> str:
+    return f"{rule}:{'run' if rank is None else rank}"
+
+
+def record(attempt: Attempt, findings: list[Finding], host: Callable[[int], str]) -> Changes:
+    """Open an alert for each finding with no live alert of its rule and rank in the run; update the live one
+    otherwise. Two processes finding the same thing at once end with one alert."""
+    opened, updated = [], []
+    for finding in findings:
+        alert, created = _open_or_update(attempt, finding, host)
+        if alert is not None:
+            (opened if created else updated).append(alert)
+    return Changes(opened, updated, [])
+
+
+def _open_or_update(attempt: Attempt, finding: Finding, host: Callable[[int], str]) -> tuple[Alert | None, bool]:
+    key = alert_key(finding.rule, finding.rank)
+    now = timezone.now()
+    for _ in range(2):
+        live = Alert.objects.filter(run_id=attempt.run_id, key=key, state__in=Alert.LIVE).first()
+        if live is not None:
+            # Seen already; a restarted attempt may report the same steps again, and that is news.
+            if finding.step <= live.last_step and live.attempt_id == attempt.pk:
+                return None, False
+            live.attempt = attempt
+            live.last_step = finding.step
+            live.occurrences += 1
+            live.last_seen_at = now
+            live.message = finding.message
+            live.details = finding.details
+            live.ranks = sorted(set(live.ranks) | set(finding.ranks))
+            live.save(
+                update_fields=["attempt", "last_step", "occurrences", "last_seen_at", "message", "details", "ranks"]
+            )
+            return live, False
+        try:
+            with transaction.atomic():
+                alert = Alert.objects.create(
+                    run_id=attempt.run_id,
+                    attempt=attempt,
+                    rule=finding.rule,
+                    rank=finding.rank,
+                    key=key,
+                    severity=finding.severity,
+                    step=finding.step,
+                    last_step=finding.step,
+                    ranks=list(finding.ranks),
+                    host=host(finding.rank) if finding.rank is not None else "",
+                    message=finding.message,
+                    details=finding.details,
+                )
+            return alert, True
+        except IntegrityError:
+            # Another process opened it between the look and the insert: update that one.
+            continue
+    return None, False
+
+
+def clear_stale(attempt: Attempt, latest_step: int, clear_after_steps: int) -> list[Alert]:
+    """Resolve the run's live alerts whose condition was last seen clear_after_steps or more steps before the
+    attempt's latest step."""
+    stale = list(
+        Alert.objects.filter(
+            run_id=attempt.run_id, state__in=Alert.LIVE, last_step__lte=latest_step - clear_after_steps
+        ).select_for_update()
+    )
+    now = timezone.now()
+    for alert in stale:
+        alert.state = Alert.RESOLVED
+        alert.resolved_at = now
+        alert.resolution = f"cleared: not seen since step {alert.last_step} (through step {latest_step})"
+        alert.save(update_fields=["state", "resolved_at", "resolution"])
+    return stale
+
+
+def acknowledge(alert: Alert, user) -> Alert:
+    if alert.state != Alert.OPEN:
+        raise AlertStateError(f"only an open alert can be acknowledged; this one is {alert.state}")
+    alert.state = Alert.ACKNOWLEDGED
+    alert.acknowledged_at = timezone.now()
+    alert.acknowledged_by = user
+    alert.save(update_fields=["state", "acknowledged_at", "acknowledged_by"])
+    return alert
+
+
+def resolve(alert: Alert, user) -> Alert:
+    if alert.state == Alert.RESOLVED:
+        raise AlertStateError("this alert is resolved already")
+    alert.state = Alert.RESOLVED
+    alert.resolved_at = timezone.now()
+    alert.resolution = f"resolved by {user.get_username()}"
+    alert.save(update_fields=["state", "resolved_at", "resolution"])
+    return alert

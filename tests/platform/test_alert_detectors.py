@@ -1,0 +1,138 @@
+"""The detectors on series with known anomalies, and on noisy clean ones that must raise nothing."""
+
+import math
+import random
+
+import pytest
+
+from loom.alerts import detectors
+from loom.alerts.detectors import StepRow
+from trainer.config import AlertsConfig
+
+CONFIG = AlertsConfig()
+
+
+def training_rows(steps: int, seed: int = 0, **overrides) -> list[StepRow]:
+    """A clean run: loss decaying with 3 % noise, grad norm wandering around 1, steady tokens/s and memory."""
+    rng = random.Random(seed)
+    rows = []
+    for step in range(1, steps + 1):
+        loss = (2.0 + 8.0 * math.exp(-step / 30)) * (1 + rng.gauss(0, 0.03))
+        values = {
+            "loss": loss,
+            "grad_norm": 1.0 + 0.5 * math.exp(-step / 20) + rng.gauss(0, 0.05),
+            "tokens_per_s": 10_000 * (1 + rng.gauss(0, 0.02)),
+            "memory_bytes": 2**30 + rng.randrange(2**20),
+            "memory_rank": 0,
+        }
+        values.update({name: value(step, values[name]) for name, value in overrides.items()})
+        rows.append(StepRow(step, **values))
+    return rows
+
+
+def all_findings(rows, config=CONFIG):
+    return (
+        detectors.loss_spikes(rows, config, 0)
+        + detectors.grad_norm_spikes(rows, config, 0)
+        + detectors.throughput_drop(rows, config)
+        + detectors.memory_creep(rows, config)
+    )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_clean_noisy_runs_raise_nothing(seed):
+    assert all_findings(training_rows(300, seed)) == []
+
+
+def test_a_loss_spike_is_found_at_its_step_and_only_there():
+    rows = training_rows(120, loss=lambda step, v: v * 3 if step == 90 else v)
+    findings = detectors.loss_spikes(rows, CONFIG, 0)
+    assert [(f.rule, f.step, f.rank) for f in findings] == [(detectors.LOSS_SPIKE, 90, None)]
+    assert findings[0].details["z"] >= CONFIG.loss_spike_z
+    # Judged already: a pass after step 90 does not find it again.
+    assert detectors.loss_spikes(rows, CONFIG, 90) == []
+
+
+def test_ten_times_the_windows_highest_is_a_spike_even_in_a_wild_window():
+    # A window so noisy that no z-score stands out: the multiple of its highest still catches the jump.
+    rng = random.Random(1)
+    rows = [StepRow(step, loss=rng.uniform(1, 5)) for step in range(1, 60)] + [StepRow(60, loss=80.0)]
+    config = AlertsConfig(loss_spike_z=1000)
+    (finding,) = detectors.loss_spikes(rows, config, 0)
+    assert finding.step == 60 and "10× the window's highest" in finding.message
+
+
+def test_a_spike_needs_min_history_steps_before_it():
+    rows = training_rows(40, loss=lambda step, v: v * 5 if step == 8 else v)
+    assert detectors.loss_spikes(rows, AlertsConfig(min_history=10), 0) == []
+    assert [f.step for f in detectors.loss_spikes(rows, AlertsConfig(min_history=5, window=5), 0)] == [8]
+
+
+def test_a_grad_norm_spike():
+    rows = training_rows(100, grad_norm=lambda step, v: 25.0 if step == 70 else v)
+    (finding,) = detectors.grad_norm_spikes(rows, CONFIG, 0)
+    assert (finding.rule, finding.step) == (detectors.GRAD_NORM_SPIKE, 70)
+
+
+def test_a_throughput_drop_needs_its_steps_running():
+    slow_from = 91
+    rows = training_rows(100, tokens_per_s=lambda step, v: v * 0.5 if step >= slow_from else v)
+    (finding,) = detectors.throughput_drop(rows, CONFIG)
+    assert finding.step == 100 and finding.details["steps"] == [98, 99, 100]
+    # Two slow steps out of three are not a drop.
+    blip = training_rows(100, tokens_per_s=lambda step, v: v * 0.5 if step in (98, 100) else v)
+    assert detectors.throughput_drop(blip, CONFIG) == []
+
+
+def test_memory_creep_names_the_rank_and_a_flat_or_one_off_rise_is_not_creep():
+    creeping = training_rows(60, memory_bytes=lambda step, v: 2**30 + step * 2**24, memory_rank=lambda s, v: 5)
+    (finding,) = detectors.memory_creep(creeping, CONFIG)
+    assert (finding.rule, finding.rank, finding.step) == (detectors.MEMORY_CREEP, 5, 60)
+    # One jump at the end (a bigger batch, a checkpoint buffer) rises in the last third only.
+    jump = training_rows(60, memory_bytes=lambda step, v: 2**31 if step > 55 else 2**30)
+    assert detectors.memory_creep(jump, CONFIG) == []
+
+
+def step_times(steps, ranks, slow_rank=None, factor=1.0):
+    rng = random.Random(2)
+    return {
+        step: {rank: 0.5 * (factor if rank == slow_rank else 1.0) * (1 + rng.gauss(0, 0.03)) for rank in range(ranks)}
+        for step in steps
+    }
+
+
+def test_a_straggler_is_named_with_its_host_after_straggler_steps_steps():
+    times = step_times(range(1, 6), 8, slow_rank=3, factor=2.0)
+    (finding,) = detectors.stragglers(times, CONFIG, lambda rank: f"node-{rank // 4}")
+    assert (finding.rule, finding.rank, finding.step) == (detectors.STRAGGLER, 3, 5)
+    assert "node-0" in finding.message and finding.details["score"] < CONFIG.straggler_score
+    # Four slow steps are not yet five.
+    assert detectors.stragglers(step_times(range(1, 5), 8, 3, 2.0), CONFIG, str) == []
+
+
+def test_a_rank_slow_in_all_but_one_step_is_no_straggler_and_a_mildly_slow_one_neither():
+    times = step_times(range(1, 6), 8, slow_rank=3, factor=2.0)
+    times[4][3] = 0.5
+    assert detectors.stragglers(times, CONFIG, str) == []
+    # 1.3× the median scores 0.77, above 0.7.
+    assert detectors.stragglers(step_times(range(1, 6), 8, 3, 1.3), CONFIG, str) == []
+
+
+def test_non_finite_reports_make_one_critical_finding_at_the_first_bad_step():
+    reports = [(rank, step, "loss", 2.5) for rank in range(4) for step in (10, 11)]
+    reports += [(rank, 12, "loss", "NaN") for rank in (0, 2)] + [(1, 13, "grad_norm", "Infinity")]
+    (finding,) = detectors.non_finite(reports)
+    assert (finding.rule, finding.step, finding.severity, finding.ranks) == (
+        detectors.NON_FINITE,
+        12,
+        detectors.CRITICAL,
+        (0, 2),
+    )
+    assert finding.details["steps"] == [12, 13]
+    assert detectors.non_finite([(0, 5, "loss", 1.0), (0, 5, "grad_norm", 3)]) == []
+
+
+def test_robust_z_ignores_one_outlier_in_the_window():
+    history = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 50.0]
+    assert detectors.robust_z(1.2, history) < 6
+    assert detectors.robust_z(3.0, history) > 6

@@ -1,0 +1,69 @@
+"""Detectors against the real worker and trainer: a rank slowed and a step gone NaN by fault injection
+each open their alert with the right rank and step within seconds, and a clean run of the same config
+opens none."""
+
+import pytest
+
+from loom.alerts import detectors
+from loom.alerts.models import Alert
+from loom.runs import states
+from loom.runs.models import Run
+from loom.runs.services import create_run
+
+from ..conftest import wait_for
+from .helpers import TINY_CONFIG
+
+pytestmark = pytest.mark.slow
+
+RANKS = 4
+SLOW_RANK = 2
+NAN_STEP = 8
+CONFIG = {**TINY_CONFIG, "steps": 16, "parallel": {"dp_replicate": RANKS}}
+# The watcher judges an attempt at most every LOOM_ALERTS_INTERVAL_S (1 s) after its metrics are stored.
+ALERT_WITHIN_S = 5.0
+
+
+def seconds_after_its_step_arrived(alert: Alert) -> float:
+    """From the last of the alert's step's metric events being stored to the alert opening."""
+    arrivals = alert.run.events.filter(kind="metric", attempt=alert.attempt, step=alert.step)
+    return (alert.opened_at - max(event.received_at for event in arrivals)).total_seconds()
+
+
+def test_fault_injected_runs_open_their_alerts_and_a_clean_one_none(live_platform, platform_user):
+    user = platform_user[0]
+    clean = create_run(user, "clean", CONFIG)
+    slowed = create_run(user, "slowed", {**CONFIG, "faults": {"slow_rank": SLOW_RANK, "slow_ms": 300}})
+    diverged = create_run(user, "diverged", {**CONFIG, "faults": {"nan_at_step": NAN_STEP}})
+    for run in (clean, slowed, diverged):
+        wait_for(
+            lambda run=run: Run.objects.filter(pk=run.pk, state__in=states.TERMINAL).exists(),
+            timeout=300,
+            message=f"{run.name} to end",
+        )
+        run.refresh_from_db()
+        assert run.state == states.SUCCEEDED, [(a.number, a.state, a.failure_reason) for a in run.attempts.all()]
+
+    assert list(Alert.objects.filter(run=clean)) == []
+
+    (straggler,) = Alert.objects.filter(run=slowed)
+    assert (straggler.rule, straggler.rank, straggler.ranks) == (detectors.STRAGGLER, SLOW_RANK, [SLOW_RANK])
+    assert straggler.host and straggler.host in straggler.message
+    # Slowed from step 1: the first pass that sees straggler_steps complete steps opens it.
+    assert 5 <= straggler.step <= 7
+    assert straggler.details["score"] < 0.7
+    assert seconds_after_its_step_arrived(straggler) < ALERT_WITHIN_S
+
+    (non_finite,) = Alert.objects.filter(run=diverged)
+    assert (non_finite.rule, non_finite.step, non_finite.severity) == (detectors.NON_FINITE, NAN_STEP, "critical")
+    assert non_finite.ranks == list(range(RANKS))
+    assert seconds_after_its_step_arrived(non_finite) < ALERT_WITHIN_S
+    # The trainer skipped that step's update (optimizer.on_non_finite = skip): the steps after it are finite.
+    metrics = diverged.events.filter(kind="metric", rank=0)
+    skipped = {event.step for event in metrics if event.payload.get("update_skipped")}
+    assert skipped == {NAN_STEP}
+    after = [event.payload["loss_mean"] for event in metrics if event.step > NAN_STEP]
+    assert len(after) == CONFIG["steps"] - NAN_STEP and all(isinstance(loss, float) for loss in after)
+    print(
+        f"\nstraggler alert {seconds_after_its_step_arrived(straggler):.2f} s after step {straggler.step} was stored; "
+        f"non-finite alert {seconds_after_its_step_arrived(non_finite):.2f} s after step {NAN_STEP}"
+    )

@@ -1,0 +1,164 @@
+"""Alerts from telemetry stored through ingest: what evaluate() opens, updates and resolves, their lifecycle
+through the API, and the watcher judging what the live ingest endpoint stored."""
+
+import random
+import time
+
+import pytest
+
+from loom.alerts import detectors
+from loom.alerts.evaluate import evaluate
+from loom.alerts.models import Alert
+from loom.alerts.services import Changes, record
+
+from ..conftest import wait_for
+from .helpers import TINY_CONFIG, BatchSender, claimed_run
+from .test_api import api
+from .test_ingest_scale import post
+
+RANKS = 8
+SLOW_RANK = 5
+
+
+def rank_metric(rank: int, step: int, slow_rank: int | None = None, **extra) -> dict:
+    rng = random.Random(step * 100 + rank)
+    compute = 0.2 * (2.5 if rank == slow_rank else 1.0) * (1 + rng.gauss(0, 0.02))
+    payload = {
+        "loss_mean": 4.0 - step / 100 + rng.gauss(0, 0.01),
+        "grad_norm": 1.0 + rng.gauss(0, 0.02),
+        "step_time_s": 0.55,
+        "compute_s": compute,
+        "tokens_per_s": 2000.0 * (1 + rng.gauss(0, 0.01)),
+        "memory_rss": 2**30 + rank * 2**20,
+        **extra,
+    }
+    return {"kind": "metric", "time": time.time(), "step": step, "payload": payload}
+
+
+def heartbeat(rank: int) -> dict:
+    return {"kind": "heartbeat", "time": time.time(), "payload": {"host": f"node-{rank // 4}", "pid": 100 + rank}}
+
+
+def send_steps(sender: BatchSender, steps, slow_rank=None):
+    for rank in range(RANKS):
+        sender.send(rank, *[rank_metric(rank, step, slow_rank) for step in steps])
+
+
+@pytest.fixture
+def sender(platform_user):
+    _, attempt, _ = claimed_run(platform_user[0])
+    sender = BatchSender(attempt)
+    for rank in range(RANKS):
+        sender.send(rank, heartbeat(rank))
+    return sender
+
+
+def test_a_straggler_opens_one_alert_naming_rank_and_node_and_clears_by_itself(sender):
+    attempt = sender.attempt
+    send_steps(sender, range(1, 5), SLOW_RANK)
+    # Four slow steps: not yet.
+    assert not evaluate(attempt, [], 0).changes
+    send_steps(sender, [5], SLOW_RANK)
+    result = evaluate(attempt, [], 0)
+    (alert,) = result.changes.opened
+    assert (alert.rule, alert.rank, alert.host, alert.step, alert.state) == (
+        detectors.STRAGGLER,
+        SLOW_RANK,
+        "node-1",
+        5,
+        Alert.OPEN,
+    )
+    assert result.judged_through == 5
+    # Seen again at later steps: the same alert, updated.
+    send_steps(sender, range(6, 9), SLOW_RANK)
+    changes = evaluate(attempt, [], 5).changes
+    assert changes.updated == [alert] and not changes.opened
+    alert.refresh_from_db()
+    assert (alert.occurrences, alert.last_step) == (2, 8)
+    # The rank recovers: after clear_after_steps steps without it, the alert resolves.
+    send_steps(sender, range(9, 28))
+    assert not evaluate(attempt, [], 8).changes.resolved
+    send_steps(sender, [28])
+    (resolved,) = evaluate(attempt, [], 27).changes.resolved
+    assert resolved.pk == alert.pk
+    alert.refresh_from_db()
+    assert alert.state == Alert.RESOLVED and alert.resolution.startswith("cleared")
+    assert Alert.objects.count() == 1
+
+
+def test_a_clean_run_opens_nothing(sender):
+    send_steps(sender, range(1, 80))
+    assert not evaluate(sender.attempt, [], 0).changes
+    assert not Alert.objects.exists()
+
+
+def test_a_run_with_alerts_disabled_opens_nothing(platform_user):
+    _, attempt, _ = claimed_run(platform_user[0], config={**TINY_CONFIG, "alerts": {"enabled": False}})
+    sender = BatchSender(attempt)
+    send_steps(sender, range(1, 10), SLOW_RANK)
+    assert not evaluate(attempt, [(0, 3, "loss", "NaN")], 0).changes
+    assert not Alert.objects.exists()
+
+
+def test_a_loss_spike_in_stored_steps_is_found_once(sender):
+    attempt = sender.attempt
+    send_steps(sender, range(1, 30))
+    for rank in range(RANKS):
+        sender.send(rank, rank_metric(rank, 30, loss_mean=40.0))
+    (alert,) = evaluate(attempt, [], 0).changes.opened
+    assert (alert.rule, alert.step, alert.rank) == (detectors.LOSS_SPIKE, 30, None)
+    # Judged through step 30: the next pass does not count it again.
+    send_steps(sender, [31])
+    assert not evaluate(attempt, [], 30).changes
+
+
+def test_two_passes_finding_the_same_thing_keep_one_live_alert_per_rule_and_rank(sender):
+    finding = detectors.Finding(detectors.STRAGGLER, 7, detectors.WARNING, "slow", rank=3, ranks=(3,))
+    first = record(sender.attempt, [finding], str)
+    again = record(sender.attempt, [finding], str)
+    assert len(first.opened) == 1 and again == Changes([], [], [])
+    other_rank = record(sender.attempt, [detectors.Finding(detectors.STRAGGLER, 7, "warning", "slow", rank=4)], str)
+    assert len(other_rank.opened) == 1
+    assert Alert.objects.filter(state=Alert.OPEN).count() == 2
+
+
+def test_acknowledge_and_resolve_through_the_api(client, sender, platform_user, other_user, token_for):
+    finding = detectors.Finding(detectors.NON_FINITE, 12, detectors.CRITICAL, "loss not finite", ranks=(0, 1))
+    (alert,) = record(sender.attempt, [finding], str).opened
+    token = token_for(platform_user[0])
+    run_id = sender.attempt.run_id
+
+    listed = api(client, "get", f"/api/runs/{run_id}/alerts?state=live", token).json()
+    assert [(item["id"], item["rule"], item["ranks"], item["attempt"]) for item in listed] == [
+        (alert.pk, detectors.NON_FINITE, [0, 1], 1)
+    ]
+    answer = api(client, "post", f"/api/alerts/{alert.pk}/acknowledge", token)
+    assert answer.status_code == 200 and answer.json()["state"] == Alert.ACKNOWLEDGED
+    again = api(client, "post", f"/api/alerts/{alert.pk}/acknowledge", token)
+    assert again.status_code == 400 and "acknowledged" in again.json()["errors"]["state"]
+    # Someone else's alert is no one's.
+    assert api(client, "post", f"/api/alerts/{alert.pk}/resolve", token_for(other_user)).status_code == 404
+    assert api(client, "get", f"/api/runs/{run_id}/alerts", token_for(other_user)).status_code == 404
+
+    resolved = api(client, "post", f"/api/alerts/{alert.pk}/resolve", token).json()
+    assert resolved["state"] == Alert.RESOLVED and resolved["resolution"] == "resolved by ada"
+    assert api(client, "get", f"/api/runs/{run_id}/alerts?state=live", token).json() == []
+    # Resolved, the same condition opens a new alert.
+    assert len(record(sender.attempt, [finding], str).opened) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_watcher_judges_what_the_ingest_endpoint_stored_within_seconds(platform_server, platform_user):
+    run, attempt, token = claimed_run(platform_user[0])
+    for step in range(1, 6):
+        events = [rank_metric(0, step)]
+        if step == 4:
+            events[0]["payload"]["loss_mean"] = "NaN"
+            events[0]["payload"]["grad_norm"] = "Infinity"
+        assert (
+            post(platform_server.url, {"attempt": attempt.pk, "rank": 0, "seq": step, "events": events}, token)[0]
+            == 200
+        )
+    alert = wait_for(lambda: Alert.objects.filter(run=run).first(), timeout=10, message="the non-finite alert")
+    assert (alert.rule, alert.step, alert.severity, alert.ranks) == (detectors.NON_FINITE, 4, "critical", [0])
+    assert "grad_norm" in alert.message and "loss_mean" in alert.message
