@@ -1,6 +1,6 @@
-"""Detectors against the real worker and trainer: a rank slowed and a step gone NaN by fault injection
-each open their alert with the right rank and step within seconds, and a clean run of the same config
-opens none."""
+"""Detectors against the real worker and trainer: a rank slowed, a step gone NaN and a rank crashed by
+fault injection each open their alert with the right rank and step within seconds, and a clean run of the
+same config opens none."""
 
 import pytest
 
@@ -18,6 +18,8 @@ pytestmark = pytest.mark.slow
 RANKS = 4
 SLOW_RANK = 2
 NAN_STEP = 8
+CRASH_STEP = 6
+CRASH_RANK = 3
 CONFIG = {**TINY_CONFIG, "steps": 16, "parallel": {"dp_replicate": RANKS}}
 # The watcher judges an attempt at most every LOOM_ALERTS_INTERVAL_S (1 s) after its metrics are stored.
 ALERT_WITHIN_S = 5.0
@@ -34,14 +36,16 @@ def test_fault_injected_runs_open_their_alerts_and_a_clean_one_none(live_platfor
     clean = create_run(user, "clean", CONFIG)
     slowed = create_run(user, "slowed", {**CONFIG, "faults": {"slow_rank": SLOW_RANK, "slow_ms": 300}})
     diverged = create_run(user, "diverged", {**CONFIG, "faults": {"nan_at_step": NAN_STEP}})
-    for run in (clean, slowed, diverged):
+    crashed = create_run(user, "crashed", {**CONFIG, "faults": {"crash_at_step": CRASH_STEP, "crash_rank": CRASH_RANK}})
+    for run in (clean, slowed, diverged, crashed):
         wait_for(
             lambda run=run: Run.objects.filter(pk=run.pk, state__in=states.TERMINAL).exists(),
             timeout=300,
             message=f"{run.name} to end",
         )
         run.refresh_from_db()
-        assert run.state == states.SUCCEEDED, [(a.number, a.state, a.failure_reason) for a in run.attempts.all()]
+        expected = states.FAILED if run == crashed else states.SUCCEEDED
+        assert run.state == expected, [(a.number, a.state, a.failure_reason) for a in run.attempts.all()]
 
     assert list(Alert.objects.filter(run=clean)) == []
 
@@ -63,6 +67,13 @@ def test_fault_injected_runs_open_their_alerts_and_a_clean_one_none(live_platfor
     assert skipped == {NAN_STEP}
     after = [event.payload["loss_mean"] for event in metrics if event.step > NAN_STEP]
     assert len(after) == CONFIG["steps"] - NAN_STEP and all(isinstance(loss, float) for loss in after)
+    # The crash, classified from the real error.json and log tail the rank left: a Python exception, not
+    # retried, and the alert names the rank.
+    (exit_alert,) = Alert.objects.filter(run=crashed)
+    assert (exit_alert.rule, exit_alert.rank, exit_alert.severity) == (detectors.RANK_EXIT, CRASH_RANK, "critical")
+    assert exit_alert.details["kind"] == "exception" and exit_alert.details["retryable"] is False
+    assert f"rank {CRASH_RANK}" in exit_alert.message and "InjectedFault" in exit_alert.message
+    assert exit_alert.host and exit_alert.step == CRASH_STEP - 1
     print(
         f"\nstraggler alert {seconds_after_its_step_arrived(straggler):.2f} s after step {straggler.step} was stored; "
         f"non-finite alert {seconds_after_its_step_arrived(non_finite):.2f} s after step {NAN_STEP}"

@@ -19,6 +19,7 @@ GRAD_NORM_SPIKE = "grad_norm_spike"
 THROUGHPUT_DROP = "throughput_drop"
 MEMORY_CREEP = "memory_creep"
 STRAGGLER = "straggler"
+RANK_EXIT = "rank_exit"
 
 CRITICAL = "critical"
 WARNING = "warning"

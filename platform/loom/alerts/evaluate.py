@@ -6,8 +6,6 @@ where the last left off; only `judged_through` (the last step the spike detector
 caller's to keep, and losing it means judging a window again, which opens nothing twice.
 """
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.db import transaction
@@ -15,12 +13,12 @@ from django.db.models import Avg, Count, Max, Min
 from django.db.models.functions import Coalesce
 
 from loom.runs.models import Attempt
-from loom.telemetry.models import RankStatus, RankStep
+from loom.telemetry.models import RankStep
 from trainer.config import AlertsConfig
 
 from . import detectors
 from .detectors import StepRow
-from .services import Changes, clear_stale, record
+from .services import Changes, clear_stale, host_lookup, record
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,7 @@ def evaluate(attempt: Attempt, non_finite_reports: list[tuple[int, int, str, obj
     if not config.enabled:
         return Pass(Changes([], [], []), judged_through)
     rows = _step_rows(attempt, config)
-    host = _host_lookup(attempt)
+    host = host_lookup(attempt)
     findings = detectors.non_finite(non_finite_reports)
     if rows:
         findings += detectors.loss_spikes(rows, config, judged_through)
@@ -116,13 +114,3 @@ def _step_times(attempt: Attempt, config: AlertsConfig) -> tuple[dict[int, dict[
         if seconds is not None:
             times.setdefault(step, {})[rank] = seconds
     return times, "compute time" if use_compute else "step time"
-
-
-def _host_lookup(attempt: Attempt) -> Callable[[int], str]:
-    """A rank's host, read when first asked for: a pass that finds no rank asks for none of 1,024."""
-
-    @functools.cache
-    def host(rank: int) -> str:
-        return RankStatus.objects.filter(attempt=attempt, rank=rank).values_list("host", flat=True).first() or ""
-
-    return host

@@ -1,15 +1,18 @@
 """An alert's life: opened by a finding, updated while its condition is seen again, acknowledged or
 resolved by a user, or resolved by itself once its condition has not been seen for clear_after_steps steps."""
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.db import IntegrityError, transaction
+from django.db.models import Max
 from django.utils import timezone
 
 from loom.runs.models import Attempt
+from loom.telemetry.models import RankStatus
 
-from .detectors import Finding
+from .detectors import CRITICAL, RANK_EXIT, Finding
 from .models import Alert
 
 
@@ -83,6 +86,34 @@ def _open_or_update(attempt: Attempt, finding: Finding, host: Callable[[int], st
             # Another process opened it between the look and the insert: update that one.
             continue
     return None, False
+
+
+def record_exit(attempt: Attempt, rank: int | None, cause: str) -> Changes:
+    """The attempt failed: an alert naming the rank that failed first and why (`cause`), as the launcher
+    classified it (failures.py), with whether the restart policy may try again."""
+    latest = RankStatus.objects.filter(attempt=attempt).aggregate(latest=Max("last_step"))["latest"] or 0
+    retry = "retryable" if attempt.retryable else "not retryable"
+    kind = attempt.failure_kind.replace("_", " ")
+    finding = Finding(
+        RANK_EXIT,
+        latest,
+        CRITICAL,
+        f"attempt {attempt.number} failed ({kind}, {retry}): {cause or attempt.failure_reason[:200]}",
+        rank=rank,
+        ranks=(rank,) if rank is not None else (),
+        details={"kind": attempt.failure_kind, "retryable": attempt.retryable, "reason": attempt.failure_reason},
+    )
+    return record(attempt, [finding], host_lookup(attempt))
+
+
+def host_lookup(attempt: Attempt) -> Callable[[int], str]:
+    """A rank's host, read when first asked for: a pass that names no rank reads none of 1,024."""
+
+    @functools.cache
+    def host(rank: int) -> str:
+        return RankStatus.objects.filter(attempt=attempt, rank=rank).values_list("host", flat=True).first() or ""
+
+    return host
 
 
 def clear_stale(attempt: Attempt, latest_step: int, clear_after_steps: int) -> list[Alert]:

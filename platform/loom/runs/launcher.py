@@ -236,6 +236,8 @@ def _finish(reporter, attempt, work_dir, token, outcome: str, exit_code: int | N
     final = {"attempt": attempt.number, "state": outcome, "exit_code": exit_code, "reason": reason}
     if outcome == states.FAILED:
         final |= {"failure_kind": failure.kind, "retryable": failure.retryable}
+        # For the rank-exit alert: who failed first and the line that says why.
+        final |= {"failure_rank": failure.rank, "failure_cause": failure.reason.partition("\n")[0]}
     reporter.emit("state", final)
     launcher_left = reporter.close(DELIVERY_DEADLINE_S)
     if ranks_left or launcher_left:

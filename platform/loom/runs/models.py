@@ -57,8 +57,9 @@ class Attempt(models.Model):
     cancel_requested = models.BooleanField(default=False)
     exit_code = models.IntegerField(null=True, blank=True)
     failure_reason = models.TextField(blank=True)
-    # How the launcher classified a failure (killed, lost_peer, worker_lost, out_of_memory,
-    # invalid_config, exception, unknown) and whether the restart policy may retry it.
+    # How the launcher classified a failure (failures.py: killed, segfault, lost_peer, collective_timeout,
+    # gpu_error, worker_lost, out_of_memory, invalid_config, exception, unknown) and whether the restart
+    # policy may retry it.
     failure_kind = models.CharField(max_length=32, blank=True)
     retryable = models.BooleanField(null=True, blank=True)
     # What the restart policy did after this attempt failed, in words ("restarted as attempt 3 …").

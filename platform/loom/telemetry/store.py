@@ -16,9 +16,11 @@ from itertools import groupby
 from django.db import connection, transaction
 from django.utils import timezone
 
+from loom.alerts.services import record_exit
 from loom.alerts.watch import watcher
 from loom.checkpoints.services import record_checkpoint_event
 from loom.runs import services as run_services
+from loom.runs import states
 from loom.runs.models import Attempt
 
 from . import bulk
@@ -382,6 +384,8 @@ def _apply_special(events: list[StoredEvent]) -> None:
         else:
             _apply_launcher_state(attempt, event.payload)
             attempt.refresh_from_db()
+            if attempt.state == states.FAILED and event.payload.get("state") == states.FAILED:
+                record_exit(attempt, event.payload.get("failure_rank"), str(event.payload.get("failure_cause", "")))
 
 
 def _apply_launcher_state(attempt: Attempt, payload: dict) -> None:
