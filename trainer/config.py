@@ -355,8 +355,21 @@ class AlertsConfig(_Section):
         gt=1,
         description="A loss above this multiple of the highest loss of its window is a spike (Megatron's rule).",
     )
+    loss_spike_rise: float = Field(
+        0.25,
+        ge=0,
+        description="A loss spike by z-score must also lie this fraction above the median, so calm windows stay calm.",
+    )
     grad_norm_spike_z: float = Field(
         6.0, gt=0, description="A gradient norm this many robust deviations above its window's median is a spike."
+    )
+    grad_norm_spike_ratio: float = Field(
+        5.0,
+        ge=1,
+        description=(
+            "A gradient-norm spike must also be this multiple of the median: early in training norms swing 2–3× "
+            "from step to step."
+        ),
     )
     throughput_drop: float = Field(
         0.3,
@@ -383,6 +396,24 @@ class AlertsConfig(_Section):
         ),
     )
     straggler_steps: int = Field(5, ge=1, le=1000, description="Consecutive slow steps that make a straggler.")
+    hang_after_s: float = Field(
+        120.0,
+        gt=0,
+        le=86_400,
+        description=(
+            "A rank with no heartbeat, or a run with no step completed, for this many seconds is hung (checked every "
+            "LOOM_HANG_CHECK_INTERVAL_S by the platform's periodic task)."
+        ),
+    )
+    hang_grace_s: float = Field(
+        600.0,
+        gt=0,
+        le=86_400,
+        description=(
+            "Until the first step completes (building the model, compiling, loading a checkpoint) a hang needs this "
+            "many seconds since the attempt started instead."
+        ),
+    )
     clear_after_steps: int = Field(
         20,
         ge=1,

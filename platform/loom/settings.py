@@ -160,6 +160,15 @@ LOOM_CANCEL_GRACE_S = float(os.environ.get("LOOM_CANCEL_GRACE_S", "10"))
 LOOM_FANOUT_INTERVAL_S = float(os.environ.get("LOOM_FANOUT_INTERVAL_S", "0.1"))
 # How often a web process judges each attempt that reported metrics (loom/alerts/watch.py).
 LOOM_ALERTS_INTERVAL_S = float(os.environ.get("LOOM_ALERTS_INTERVAL_S", "1.0"))
+# How often Celery beat has running attempts checked for hangs (loom/alerts/hangs.py), and the queue that
+# check goes to. A worker's every slot can be busy supervising runs for days, so a deployment gives the check
+# a queue and a small worker of its own (bin/up, docker/compose.yaml); unset, it shares the default queue.
+LOOM_HANG_CHECK_INTERVAL_S = float(os.environ.get("LOOM_HANG_CHECK_INTERVAL_S", "10"))
+LOOM_MONITOR_QUEUE = os.environ.get("LOOM_MONITOR_QUEUE", "")
+CELERY_BEAT_SCHEDULE = {
+    "check-hangs": {"task": "loom.alerts.check_hangs", "schedule": LOOM_HANG_CHECK_INTERVAL_S},
+}
+CELERY_TASK_ROUTES = {"loom.alerts.check_hangs": {"queue": LOOM_MONITOR_QUEUE}} if LOOM_MONITOR_QUEUE else {}
 
 LOGGING = {
     "version": 1,

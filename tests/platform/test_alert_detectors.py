@@ -68,6 +68,20 @@ def test_a_spike_needs_min_history_steps_before_it():
     assert [f.step for f in detectors.loss_spikes(rows, AlertsConfig(min_history=5, window=5), 0)] == [8]
 
 
+def test_early_training_swings_are_no_spikes():
+    # As the demo run's first steps: norms swinging around 3 (one step at 6.4, 6 robust deviations up) and a
+    # loss that wobbles by a few per cent in a very calm window.
+    rng = random.Random(3)
+    rows = [
+        StepRow(step, loss=5.0 + rng.gauss(0, 0.001), grad_norm=3.0 * math.exp(rng.gauss(0, 0.15)))
+        for step in range(1, 40)
+    ]
+    rows.append(StepRow(40, loss=5.2, grad_norm=6.4))
+    assert detectors.robust_z(6.4, [row.grad_norm for row in rows[-41:-1]]) > CONFIG.grad_norm_spike_z
+    assert detectors.robust_z(5.2, [row.loss for row in rows[-41:-1]]) > CONFIG.loss_spike_z
+    assert detectors.grad_norm_spikes(rows, CONFIG, 0) == [] and detectors.loss_spikes(rows, CONFIG, 0) == []
+
+
 def test_a_grad_norm_spike():
     rows = training_rows(100, grad_norm=lambda step, v: 25.0 if step == 70 else v)
     (finding,) = detectors.grad_norm_spikes(rows, CONFIG, 0)

@@ -1,14 +1,16 @@
-"""Detectors against the real worker and trainer: a rank slowed, a step gone NaN and a rank crashed by
-fault injection each open their alert with the right rank and step within seconds, and a clean run of the
-same config opens none."""
+"""Detectors against the real worker, beat and trainer: a rank slowed, a step gone NaN, a rank crashed and
+a rank hung by fault injection each open their alert with the right rank and step within seconds, and a
+clean run of the same config opens none."""
 
 import pytest
+from celery.beat import EmbeddedService
 
 from loom.alerts import detectors
 from loom.alerts.models import Alert
+from loom.celery import app as celery_app
 from loom.runs import states
 from loom.runs.models import Run
-from loom.runs.services import create_run
+from loom.runs.services import cancel_run, create_run
 
 from ..conftest import wait_for
 from .helpers import TINY_CONFIG
@@ -20,7 +22,10 @@ SLOW_RANK = 2
 NAN_STEP = 8
 CRASH_STEP = 6
 CRASH_RANK = 3
-CONFIG = {**TINY_CONFIG, "steps": 16, "parallel": {"dp_replicate": RANKS}}
+HANG_STEP = 4
+HANG_AFTER_S = 3.0
+# Every run is judged for hangs with a short limit: the clean ones must still open none.
+CONFIG = {**TINY_CONFIG, "steps": 16, "parallel": {"dp_replicate": RANKS}, "alerts": {"hang_after_s": HANG_AFTER_S}}
 # The watcher judges an attempt at most every LOOM_ALERTS_INTERVAL_S (1 s) after its metrics are stored.
 ALERT_WITHIN_S = 5.0
 
@@ -31,12 +36,36 @@ def seconds_after_its_step_arrived(alert: Alert) -> float:
     return (alert.opened_at - max(event.received_at for event in arrivals)).total_seconds()
 
 
-def test_fault_injected_runs_open_their_alerts_and_a_clean_one_none(live_platform, platform_user):
+@pytest.fixture
+def celery_beat(tmp_path):
+    """A real Celery beat in a thread, sending the hang check every second to the test worker."""
+    schedule = celery_app.conf.beat_schedule
+    celery_app.conf.beat_schedule = {"check-hangs": {"task": "loom.alerts.check_hangs", "schedule": 1.0}}
+    beat = EmbeddedService(celery_app, thread=True, schedule_filename=str(tmp_path / "beat-schedule"))
+    beat.start()
+    try:
+        yield
+    finally:
+        beat.stop()
+        celery_app.conf.beat_schedule = schedule
+
+
+def test_fault_injected_runs_open_their_alerts_and_a_clean_one_none(live_platform, celery_beat, platform_user):
     user = platform_user[0]
     clean = create_run(user, "clean", CONFIG)
     slowed = create_run(user, "slowed", {**CONFIG, "faults": {"slow_rank": SLOW_RANK, "slow_ms": 300}})
     diverged = create_run(user, "diverged", {**CONFIG, "faults": {"nan_at_step": NAN_STEP}})
     crashed = create_run(user, "crashed", {**CONFIG, "faults": {"crash_at_step": CRASH_STEP, "crash_rank": CRASH_RANK}})
+    hung = create_run(user, "hung", {**CONFIG, "faults": {"hang_at_step": HANG_STEP, "hang_rank": 1}})
+    # Every rank of the hung run still beats but none completes a step: the whole run is named.
+    hang = wait_for(
+        lambda: Alert.objects.filter(run=hung, rule=detectors.HANG).first(), timeout=240, message="the hang alert"
+    )
+    assert (hang.rank, hang.step, hang.severity) == (None, HANG_STEP - 1, "critical")
+    assert f"since step {HANG_STEP - 1}" in hang.message and hang.ranks == list(range(RANKS))
+    stalled_s = hang.details["stalled_s"]
+    assert HANG_AFTER_S < stalled_s < HANG_AFTER_S + ALERT_WITHIN_S
+    cancel_run(hung)
     for run in (clean, slowed, diverged, crashed):
         wait_for(
             lambda run=run: Run.objects.filter(pk=run.pk, state__in=states.TERMINAL).exists(),
@@ -48,6 +77,7 @@ def test_fault_injected_runs_open_their_alerts_and_a_clean_one_none(live_platfor
         assert run.state == expected, [(a.number, a.state, a.failure_reason) for a in run.attempts.all()]
 
     assert list(Alert.objects.filter(run=clean)) == []
+    assert not Alert.objects.filter(rule=detectors.HANG).exclude(run=hung).exists()
 
     (straggler,) = Alert.objects.filter(run=slowed)
     assert (straggler.rule, straggler.rank, straggler.ranks) == (detectors.STRAGGLER, SLOW_RANK, [SLOW_RANK])

@@ -3,13 +3,17 @@ through the API, and the watcher judging what the live ingest endpoint stored.""
 
 import random
 import time
+from datetime import UTC, datetime
 
 import pytest
 
 from loom.alerts import detectors
 from loom.alerts.evaluate import evaluate
+from loom.alerts.hangs import check_hangs
 from loom.alerts.models import Alert
 from loom.alerts.services import Changes, record
+from loom.runs import states
+from loom.runs.models import Attempt
 
 from ..conftest import wait_for
 from .helpers import TINY_CONFIG, BatchSender, claimed_run
@@ -162,3 +166,39 @@ def test_the_watcher_judges_what_the_ingest_endpoint_stored_within_seconds(platf
     alert = wait_for(lambda: Alert.objects.filter(run=run).first(), timeout=10, message="the non-finite alert")
     assert (alert.rule, alert.step, alert.severity, alert.ranks) == (detectors.NON_FINITE, 4, "critical", [0])
     assert "grad_norm" in alert.message and "loss_mean" in alert.message
+
+
+def beat_at(rank: int, at: float, step: int | None) -> dict:
+    payload = {"host": f"node-{rank // 4}", "pid": 100 + rank}
+    return {"kind": "heartbeat", "time": at, "step": step, "payload": payload}
+
+
+def test_hangs_a_silent_rank_a_stalled_run_the_grace_before_the_first_step_and_clearing(platform_user):
+    _, attempt, _ = claimed_run(platform_user[0], config={**TINY_CONFIG, "parallel": {"dp_replicate": 4}})
+    start = time.time()
+    Attempt.objects.filter(pk=attempt.pk).update(state=states.RUNNING, started_at=datetime.fromtimestamp(start, UTC))
+    attempt.refresh_from_db()
+    sender = BatchSender(attempt)
+    at = lambda seconds: datetime.fromtimestamp(start + seconds, UTC)  # noqa: E731
+
+    # Building the model for 300 s, every rank beating: within the 600 s grace, nothing.
+    for rank in range(4):
+        sender.send(rank, beat_at(rank, start + 300, None))
+    assert check_hangs(at(310)) == [Changes([], [], [])]
+    # Rank 3 never beats again; the others report step 1 and go on beating.
+    for rank in range(3):
+        sender.send(rank, {**rank_metric(rank, 1), "time": start + 330}, beat_at(rank, start + 440, 1))
+    (changes,) = check_hangs(at(445))
+    (silent,) = changes.opened
+    assert (silent.rule, silent.rank, silent.host) == (detectors.HANG, 3, "node-0")
+    assert "no heartbeat from rank 3 for 145 s" in silent.message
+    # And 121 s after step 1 the run as a whole is stalled at it.
+    (changes,) = check_hangs(at(451))
+    (stalled,) = changes.opened
+    assert (stalled.rank, stalled.step, stalled.ranks) == (None, 1, [0, 1, 2])
+    # Rank 3 is back and step 2 completes: both clear.
+    for rank in range(4):
+        sender.send(rank, {**rank_metric(rank, 2), "time": start + 452}, beat_at(rank, start + 452, 2))
+    (changes,) = check_hangs(at(453))
+    assert {alert.pk for alert in changes.resolved} == {silent.pk, stalled.pk}
+    assert not Alert.objects.filter(state__in=Alert.LIVE).exists()

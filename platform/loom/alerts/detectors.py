@@ -20,6 +20,7 @@ THROUGHPUT_DROP = "throughput_drop"
 MEMORY_CREEP = "memory_creep"
 STRAGGLER = "straggler"
 RANK_EXIT = "rank_exit"
+HANG = "hang"
 
 CRITICAL = "critical"
 WARNING = "warning"
@@ -74,8 +75,9 @@ def loss_spikes(rows: Sequence[StepRow], config: AlertsConfig, after_step: int) 
     for step, loss, history in _judged(_values(rows, "loss"), config, after_step):
         z = robust_z(loss, history)
         highest = max(history)
-        if z >= config.loss_spike_z or loss > config.loss_spike_factor * highest:
-            median = statistics.median(history)
+        median = statistics.median(history)
+        by_z = z >= config.loss_spike_z and loss >= (1 + config.loss_spike_rise) * median
+        if by_z or loss > config.loss_spike_factor * highest:
             message = f"loss {loss:.4g} at step {step}: {z:.1f} robust deviations above the median {median:.4g}"
             if loss > config.loss_spike_factor * highest:
                 message += f", over {config.loss_spike_factor:g}× the window's highest ({highest:.4g})"
@@ -88,8 +90,8 @@ def grad_norm_spikes(rows: Sequence[StepRow], config: AlertsConfig, after_step: 
     findings = []
     for step, norm, history in _judged(_values(rows, "grad_norm"), config, after_step):
         z = robust_z(norm, history)
-        if z >= config.grad_norm_spike_z:
-            median = statistics.median(history)
+        median = statistics.median(history)
+        if z >= config.grad_norm_spike_z and norm >= config.grad_norm_spike_ratio * median:
             message = (
                 f"gradient norm {norm:.4g} at step {step}: {z:.1f} robust deviations above the median {median:.4g}"
             )

@@ -133,6 +133,22 @@ def clear_stale(attempt: Attempt, latest_step: int, clear_after_steps: int) -> l
     return stale
 
 
+def resolve_cleared(attempt: Attempt, rule: str, live_keys: set[str]) -> list[Alert]:
+    """Resolve the attempt's live alerts of `rule` whose condition is not present now (not in live_keys)."""
+    cleared = [
+        alert
+        for alert in Alert.objects.filter(attempt=attempt, rule=rule, state__in=Alert.LIVE).select_for_update()
+        if alert.key not in live_keys
+    ]
+    now = timezone.now()
+    for alert in cleared:
+        alert.state = Alert.RESOLVED
+        alert.resolved_at = now
+        alert.resolution = "cleared: its condition is gone"
+        alert.save(update_fields=["state", "resolved_at", "resolution"])
+    return cleared
+
+
 def acknowledge(alert: Alert, user) -> Alert:
     if alert.state != Alert.OPEN:
         raise AlertStateError(f"only an open alert can be acknowledged; this one is {alert.state}")
