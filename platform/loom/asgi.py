@@ -9,8 +9,9 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set u
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from loom.alerts.routing import websocket_urlpatterns as alert_sockets  # noqa: E402
 from loom.telemetry.ingest_app import ingest_endpoint  # noqa: E402
-from loom.telemetry.routing import websocket_urlpatterns  # noqa: E402
+from loom.telemetry.routing import websocket_urlpatterns as run_sockets  # noqa: E402
 
 INGEST_PATH = "/api/ingest"
 
@@ -26,6 +27,6 @@ async def http(scope, receive, send):
 application = ProtocolTypeRouter(
     {
         "http": http,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(run_sockets + alert_sockets))),
     }
 )

@@ -168,6 +168,9 @@ LOOM_MONITOR_QUEUE = os.environ.get("LOOM_MONITOR_QUEUE", "")
 CELERY_BEAT_SCHEDULE = {
     "check-hangs": {"task": "loom.alerts.check_hangs", "schedule": LOOM_HANG_CHECK_INTERVAL_S},
 }
+# Webhook POSTs of alert changes: tries in all, and the wait before the second (doubling after).
+LOOM_WEBHOOK_TRIES = int(os.environ.get("LOOM_WEBHOOK_TRIES", "5"))
+LOOM_WEBHOOK_RETRY_BASE_S = float(os.environ.get("LOOM_WEBHOOK_RETRY_BASE_S", "5"))
 CELERY_TASK_ROUTES = {"loom.alerts.check_hangs": {"queue": LOOM_MONITOR_QUEUE}} if LOOM_MONITOR_QUEUE else {}
 
 LOGGING = {

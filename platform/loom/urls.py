@@ -7,4 +7,5 @@ urlpatterns = [
     path("", include("loom.runs.page_urls")),
     path("", include("loom.planner.page_urls")),
     path("", include("loom.checkpoints.page_urls")),
+    path("", include("loom.alerts.page_urls")),
 ]

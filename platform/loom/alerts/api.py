@@ -1,13 +1,13 @@
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from django.http import Http404
 from ninja import Router, Schema, Status
 
 from loom.runs import services as run_services
 
-from . import services
-from .models import Alert
+from . import notify, services, webhooks
+from .models import Alert, Webhook
 
 router = Router(tags=["alerts"])
 
@@ -65,15 +65,88 @@ def _alert_for(user, alert_id: int) -> Alert:
 def acknowledge(request, alert_id: int):
     """Someone is on it: the alert stays live (and resolves by itself when its condition clears)."""
     try:
-        return services.acknowledge(_alert_for(request.user, alert_id), request.user)
+        alert = services.acknowledge(_alert_for(request.user, alert_id), request.user)
     except services.AlertStateError as error:
         return Status(400, {"errors": {"state": str(error)}})
+    notify.announce_one(alert, notify.ACKNOWLEDGED)
+    return alert
 
 
 @router.post("/alerts/{alert_id}/resolve", response={200: AlertOut, 400: FieldErrors})
 def resolve(request, alert_id: int):
     """Done with it; the same condition seen again opens a new alert."""
     try:
-        return services.resolve(_alert_for(request.user, alert_id), request.user)
+        alert = services.resolve(_alert_for(request.user, alert_id), request.user)
     except services.AlertStateError as error:
         return Status(400, {"errors": {"state": str(error)}})
+    notify.announce_one(alert, notify.RESOLVED)
+    return alert
+
+
+class WebhookIn(Schema):
+    url: Any = None
+    # A run of the user's: only its alerts; null: every run's.
+    run: Any = None
+
+
+class DeliveryOut(Schema):
+    id: int
+    alert: int
+    event: str
+    state: str
+    tries: int
+    last_status: int | None
+    last_error: str
+    created_at: datetime
+    finished_at: datetime | None
+
+    @staticmethod
+    def resolve_alert(delivery):
+        return delivery.alert_id
+
+    @staticmethod
+    def resolve_event(delivery):
+        return delivery.payload.get("event", "")
+
+
+class WebhookOut(Schema):
+    id: int
+    url: str
+    run: int | None
+    created_at: datetime
+    deliveries: list[DeliveryOut]
+
+    @staticmethod
+    def resolve_run(hook):
+        return hook.run_id
+
+    @staticmethod
+    def resolve_deliveries(hook):
+        return list(hook.deliveries.all()[:RECENT_DELIVERIES])
+
+
+RECENT_DELIVERIES = 20
+
+
+@router.get("/webhooks", response=list[WebhookOut])
+def list_webhooks(request):
+    """The user's webhooks, each with its latest deliveries (failed ones say why)."""
+    return list(Webhook.objects.filter(owner=request.user))
+
+
+@router.post("/webhooks", response={201: WebhookOut, 400: FieldErrors})
+def create_webhook(request, body: WebhookIn):
+    """POST every alert that opens or resolves, as {"event": "alert.opened", "alert": {...}}, to `url`."""
+    try:
+        hook = webhooks.create_webhook(request.user, body.url, body.run)
+    except webhooks.WebhookInputError as error:
+        return Status(400, {"errors": error.errors})
+    return Status(201, hook)
+
+
+@router.delete("/webhooks/{webhook_id}", response={204: None})
+def delete_webhook(request, webhook_id: int):
+    deleted, _ = Webhook.objects.filter(pk=webhook_id, owner=request.user).delete()
+    if not deleted:
+        raise Http404("no such webhook")
+    return Status(204, None)

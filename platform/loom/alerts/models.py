@@ -46,3 +46,36 @@ class Alert(models.Model):
             )
         ]
         indexes = [models.Index(fields=["run", "state"], name="alert_by_run_state")]
+
+
+class Webhook(models.Model):
+    """Where a user's alerts are POSTed as JSON: for all their runs (run null) or one run."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="webhooks")
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, null=True, blank=True, related_name="webhooks")
+    url = models.URLField(max_length=2000)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+
+
+class WebhookDelivery(models.Model):
+    """One alert change to one webhook, with every try's outcome: failures stay visible."""
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
+    webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
+    alert = models.ForeignKey(Alert, on_delete=models.CASCADE, related_name="deliveries")
+    payload = models.JSONField()
+    state = models.CharField(max_length=16, default=PENDING)
+    tries = models.PositiveIntegerField(default=0)
+    last_status = models.IntegerField(null=True, help_text="The HTTP status of the last try; null: no answer.")
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True)
+
+    class Meta:
+        ordering = ["-id"]

@@ -17,6 +17,7 @@ from django.db import connection
 from loom.runs.models import Attempt
 
 from .evaluate import Pass, evaluate
+from .notify import announce
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +28,16 @@ Judge = Callable[[Attempt, list[tuple[int, int, str, object]], int], Pass]
 Report = Callable[[Attempt, Pass], None]
 
 
-def _log_changes(attempt: Attempt, result: Pass) -> None:
+def _log_and_announce(attempt: Attempt, result: Pass) -> None:
     for alert in result.changes.opened:
         log.warning("run %s attempt %s: alert opened: %s", attempt.run_id, attempt.number, alert.message)
     for alert in result.changes.resolved:
         log.info("run %s: alert %s resolved: %s", attempt.run_id, alert.pk, alert.resolution)
+    announce(result.changes)
 
 
 class Watcher:
-    def __init__(self, interval_s: float, judge: Judge = evaluate, report: Report = _log_changes):
+    def __init__(self, interval_s: float, judge: Judge = evaluate, report: Report = _log_and_announce):
         self._interval_s = interval_s
         self._judge = judge
         self._report = report

@@ -16,6 +16,7 @@ from itertools import groupby
 from django.db import connection, transaction
 from django.utils import timezone
 
+from loom.alerts.notify import announce
 from loom.alerts.services import record_exit
 from loom.alerts.watch import watcher
 from loom.checkpoints.services import record_checkpoint_event
@@ -385,7 +386,9 @@ def _apply_special(events: list[StoredEvent]) -> None:
             _apply_launcher_state(attempt, event.payload)
             attempt.refresh_from_db()
             if attempt.state == states.FAILED and event.payload.get("state") == states.FAILED:
-                record_exit(attempt, event.payload.get("failure_rank"), str(event.payload.get("failure_cause", "")))
+                announce(
+                    record_exit(attempt, event.payload.get("failure_rank"), str(event.payload.get("failure_cause", "")))
+                )
 
 
 def _apply_launcher_state(attempt: Attempt, payload: dict) -> None:
