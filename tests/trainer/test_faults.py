@@ -82,7 +82,10 @@ def resumed(slow_and_corrupt, tmp_path_factory) -> FinishedRun:
 
 @pytest.fixture(scope="module")
 def diverged(tmp_path_factory) -> FinishedRun:
-    run = run_trainer(tmp_path_factory.mktemp("diverged"), document(5, {"nan_at_step": FAULT_STEP}))
+    # Applied anyway (optimizer.on_non_finite = continue), as a trainer without the check would.
+    config = document(5, {"nan_at_step": FAULT_STEP})
+    config["optimizer"]["on_non_finite"] = "continue"
+    run = run_trainer(tmp_path_factory.mktemp("diverged"), config)
     assert run.returncode == 0, run.output[-4000:]
     return run
 
