@@ -301,6 +301,9 @@ class FaultsConfig(_Section):
     slow_ms: int = Field(
         0, ge=0, le=600_000, description="Milliseconds slow_rank sleeps inside every timed step; 0 = not slowed."
     )
+    slow_from_step: int = Field(
+        1, ge=1, description="The first step slow_rank is slowed in (the others, waiting for it, slow down with it)."
+    )
     nan_at_step: int | None = Field(
         None,
         ge=1,
@@ -308,6 +311,21 @@ class FaultsConfig(_Section):
             "At this step the loss and every gradient become NaN on every rank, as in a loss spike; what follows "
             "is optimizer.on_non_finite's (skip: the update is dropped; continue: the parameters diverge); null never."
         ),
+    )
+    spike_at_step: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "At this step every rank's loss and gradients are multiplied by spike_factor, as a bad batch would "
+            "(the clipped update stays bounded); null never."
+        ),
+    )
+    spike_factor: float = Field(20.0, gt=1, le=1e6, description="How much spike_at_step multiplies loss and gradients.")
+    leak_mb_per_step: float = Field(
+        0.0,
+        ge=0,
+        le=1024,
+        description="Every rank keeps this many MiB more memory alive after each step, a leak; 0 = none.",
     )
     corrupt_checkpoint_step: int | None = Field(
         None,
@@ -378,6 +396,11 @@ class AlertsConfig(_Section):
         description="Tokens/s this fraction below the window's median, throughput_drop_steps steps running, is a drop.",
     )
     throughput_drop_steps: int = Field(3, ge=1, le=1000, description="Consecutive slow steps that make a drop.")
+    memory_warmup_steps: int = Field(
+        10,
+        ge=0,
+        description="Memory creep ignores the first steps, whose allocations (optimizer state, caches) are expected.",
+    )
     memory_creep: float = Field(
         0.1,
         gt=0,

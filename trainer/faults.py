@@ -56,11 +56,38 @@ def hang(faults: FaultsConfig, step: int, rank: int) -> None:
             time.sleep(HANG_SLEEP_S)
 
 
-def slow_down(faults: FaultsConfig, rank: int) -> None:
+def slow_down(faults: FaultsConfig, step: int, rank: int) -> None:
     """Called inside the timed part of every step, so the slow rank's step time shows it and the other
     ranks wait for it in the step's collectives."""
-    if faults.slow_rank == rank and faults.slow_ms > 0:
+    if faults.slow_rank == rank and faults.slow_ms > 0 and step >= faults.slow_from_step:
         time.sleep(faults.slow_ms / 1000)
+
+
+def spike(
+    faults: FaultsConfig, step: int, loss: torch.Tensor | None, parameters: list[torch.nn.Parameter]
+) -> torch.Tensor | None:
+    """At faults.spike_at_step, the loss and every gradient times spike_factor: what backward would have
+    given for the loss of a batch spike_factor times worse."""
+    if faults.spike_at_step != step:
+        return loss
+    with torch.no_grad():
+        for parameter in parameters:
+            if parameter.grad is not None:
+                local(parameter.grad).mul_(faults.spike_factor)
+        return loss * faults.spike_factor if loss is not None else None
+
+
+class Leak:
+    """faults.leak_mb_per_step more memory kept alive after every step, until the process ends."""
+
+    def __init__(self, faults: FaultsConfig):
+        self._bytes = int(faults.leak_mb_per_step * 2**20)
+        self._kept: list[bytearray] = []
+
+    def step_done(self) -> None:
+        if self._bytes:
+            # Written, not just reserved: resident memory is what a rank reports on CPU.
+            self._kept.append(bytearray(b"\x01" * self._bytes))
 
 
 def diverge(

@@ -216,11 +216,12 @@ def train(
     tokens_per_rank_step = config.data.micro_batch * config.model.seq_len
     tokens_seen = (first_step - 1) * tokens_per_rank_step
     last_step, last_loss, stop_votes = first_step - 1, None, 0.0
+    leak = faults.Leak(config.faults)
     try:
         for step in range(first_step, config.steps + 1):
             faults.before_step(config.faults, step, launch.rank, settle=checkpointer.wait_for_writes)
             started = time.perf_counter()
-            faults.slow_down(config.faults, launch.rank)
+            faults.slow_down(config.faults, step, launch.rank)
             with comm.recording():
                 lr = learning_rate(step, config.steps, config.optimizer)
                 for group in optimizer.param_groups:
@@ -230,6 +231,7 @@ def train(
                 optimizer.zero_grad(set_to_none=True)
                 loss = parallel_model.forward_backward(inputs, targets)
                 loss = faults.diverge(config.faults, step, loss, parameters)
+                loss = faults.spike(config.faults, step, loss, parameters)
                 norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh)
                 update = update_allowed(config.optimizer.on_non_finite, step, norm)
                 if update:
@@ -273,6 +275,7 @@ def train(
                 flush=True,
             )
             last_step, last_loss = step, metrics["loss_mean"]
+            leak.step_done()
             if checkpointer.due(step) or save_votes:
                 checkpointer.save(step, last_loss)
             if stop_votes:

@@ -131,8 +131,10 @@ def throughput_drop(rows: Sequence[StepRow], config: AlertsConfig) -> list[Findi
 
 
 def memory_creep(rows: Sequence[StepRow], config: AlertsConfig) -> list[Finding]:
-    """The highest memory of any rank, over a full window, rising from third to third by memory_creep in all."""
-    series = [row for row in rows if row.memory_bytes is not None][-config.window :]
+    """The highest memory of any rank, over a full window past the warmup steps, rising from third to third by
+    memory_creep in all."""
+    series = [row for row in rows if row.memory_bytes is not None and row.step > config.memory_warmup_steps]
+    series = series[-config.window :]
     if len(series) < max(config.min_history, 3) or len(series) < config.window:
         return []
     third = len(series) // 3
