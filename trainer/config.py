@@ -212,6 +212,21 @@ class DataConfig(_Section):
         8, ge=1, le=65536, description="Sequences per data-parallel rank per step (tp, cp and pp ranks share them)."
     )
     seed: int = Field(0, ge=0, description="Seed for data order and weight initialisation.")
+    skip_steps: list[tuple[int, int]] = Field(
+        default_factory=list,
+        description=(
+            "Ranges [first, last] of the steps whose batches are never trained on: from `first` on, each step "
+            "takes the batch of the step after the range, as operators did to step past a loss spike's data."
+        ),
+    )
+
+    @field_validator("skip_steps")
+    @classmethod
+    def _ranges_run_forward(cls, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        for first, last in ranges:
+            if first < 1 or last < first:
+                raise ValueError(f"[{first}, {last}] must be [first, last] with 1 <= first <= last")
+        return sorted(ranges)
 
 
 class CheckpointConfig(_Section):

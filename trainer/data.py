@@ -45,6 +45,15 @@ def load_corpus(max_bytes: int, root: Path | None = None) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
+def data_step(step: int, skip_steps: list[tuple[int, int]]) -> int:
+    """The step whose batch `step` trains on: later by the length of every skipped range it has reached."""
+    index = step
+    for first, last in sorted(skip_steps):
+        if index >= first:
+            index += last - first + 1
+    return index
+
+
 def batch_seed(seed: int, step: int) -> int:
     """A 63-bit generator seed that is the same in every process (unlike hash())."""
     digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()

@@ -30,7 +30,7 @@ from trainer import faults
 from trainer.checkpoint import Checkpointer, checkpoint_root
 from trainer.comm import comm_recorder
 from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
-from trainer.data import WindowSampler
+from trainer.data import WindowSampler, data_step
 from trainer.metrics import memory, mfu, model_flops_per_token, own_work, peak_flops, state_bytes
 from trainer.model import Transformer
 from trainer.parallel.apply import ParallelModel, parallelize
@@ -226,7 +226,7 @@ def train(
                 lr = learning_rate(step, config.steps, config.optimizer)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                batch = sampler.batch(step, mesh.dp_rank, data_parallel)
+                batch = sampler.batch(data_step(step, config.data.skip_steps), mesh.dp_rank, data_parallel)
                 inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
                 optimizer.zero_grad(set_to_none=True)
                 loss = parallel_model.forward_backward(inputs, targets)

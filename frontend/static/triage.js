@@ -33,8 +33,13 @@
       act(forAlert(page.urls.resolve, id), undefined, () => location.reload()),
     );
     card.querySelector(".restore")?.addEventListener("click", (click) => {
-      const checkpoint = Number(click.currentTarget.dataset.checkpoint);
-      act(page.urls.restore, { checkpoint, mode: "attempt" }, () => {
+      const body = { checkpoint: Number(click.currentTarget.dataset.checkpoint), mode: "attempt" };
+      // Past a spike: skip the data that caused it and lower the learning rate, when kept ticked and filled.
+      const skip = card.querySelector(".skip-data");
+      if (skip?.checked) body.skip_steps = [Number(skip.dataset.first), Number(skip.dataset.last)];
+      const lr = card.querySelector(".restore-lr");
+      if (lr && lr.value !== "") body.lr = Number(lr.value);
+      act(page.urls.restore, body, () => {
         location.href = page.urls.run;
       });
     });

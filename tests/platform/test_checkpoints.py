@@ -199,6 +199,8 @@ def api_restore(run, body, platform_user):
         ),
         ({"checkpoint": "STEP5", "parallel": "tp2"}, {"config.parallel": "must be an object"}),
         ({"checkpoint": "STEP5", "mode": "fork", "name": "  "}, {"name": "must not be blank"}),
+        ({"checkpoint": "STEP5", "lr": 0}, {"config.optimizer.lr": "greater than 0"}),
+        ({"checkpoint": "STEP5", "skip_steps": [9, 6]}, {"config.data.skip_steps": "1 <= first <= last"}),
     ],
 )
 def test_bad_restores_get_field_errors_and_change_nothing(finished_with_checkpoints, platform_user, body, errors):
@@ -230,6 +232,17 @@ def test_restore_as_a_new_attempt_in_another_layout(finished_with_checkpoints, p
     run.refresh_from_db()
     assert run.state == states.QUEUED
     assert run.config["parallel"]["dp_replicate"] == 2  # the run keeps what it was created with
+
+
+def test_restore_past_a_loss_spike_skips_its_data_and_lowers_the_learning_rate(
+    finished_with_checkpoints, platform_user
+):
+    run = finished_with_checkpoints
+    step5 = run.checkpoints.get(step=5)
+    response = api_restore(run, {"checkpoint": step5.pk, "lr": 0.001, "skip_steps": [6, 9]}, platform_user)
+    assert response.status_code == 201, response.json()
+    config = run.attempts.get(number=2).config
+    assert (config["optimizer"]["lr"], config["data"]["skip_steps"]) == (0.001, [[6, 9]])
 
 
 def test_fork_creates_a_run_whose_lineage_joins_the_original(finished_with_checkpoints, platform_user, other_user):

@@ -49,11 +49,16 @@ def test_the_triage_page_names_suspects_offers_the_checkpoint_before_and_shows_l
     card = page[page.index(f'id="alert-{straggler.pk}"') :]
     assert f'data-checkpoint="{checkpoints[10]}"' in card[: card.index("</article>")]
     card = page[page.index(f'id="alert-{loss_spike.pk}"') :]
-    assert f'data-checkpoint="{checkpoints[15]}"' in card[: card.index("</article>")]
+    card = card[: card.index("</article>")]
+    assert f'data-checkpoint="{checkpoints[15]}"' in card
+    # Past the loss spike: skip the data of steps 16–17 and halve the learning rate (0.003), offered.
+    assert 'data-first="16" data-last="17"' in card and 'class="restore-lr" step="any" min="0" value="0.0015"' in card
     # The straggler's card holds its rank's log around step 12.
     card = page[page.index(f'id="alert-{straggler.pk}"') :]
     card = card[: card.index("</article>")]
     assert "rank 1 step 12/20" in card and "rank 1 step 6/20" in card and "rank 1 step 19/20" not in card
+    # A straggler is no reason to skip data.
+    assert "skip-data" not in card
     # The timeline holds the checkpoints and the alerts.
     assert "checkpoint at step 15 (attempt 1)" in page and "loss 40 at step 17" in page
 

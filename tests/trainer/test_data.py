@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import WindowSampler, load_corpus, stdlib_sources
+from trainer.data import WindowSampler, data_step, load_corpus, stdlib_sources
 
 
 def sampler(seed: int = 0, micro_batch: int = 4) -> WindowSampler:
@@ -55,3 +55,9 @@ def test_data_parallel_ranks_take_slices_of_the_one_global_batch():
     whole = sampler(micro_batch=6).batch(step=5)[0]
     slices = [sampler(micro_batch=2).batch(step=5, dp_rank=r, dp_size=3)[0] for r in range(3)]
     assert torch.equal(torch.cat(slices), whole)
+
+
+def test_skipped_steps_move_every_later_step_to_the_batch_after_the_range():
+    assert [data_step(step, [(5, 7)]) for step in range(3, 9)] == [3, 4, 8, 9, 10, 11]
+    assert [data_step(step, [(5, 7), (10, 10)]) for step in (4, 5, 6, 7)] == [4, 8, 9, 11]
+    assert data_step(12, []) == 12

@@ -13,6 +13,7 @@ from loom.runs.logs import rank_log_files, tail_lines
 from loom.runs.models import Run
 from trainer.config import world_size_of
 
+from .detectors import GRAD_NORM_SPIKE, LOSS_SPIKE, NON_FINITE
 from .models import Alert
 
 # Ranks of an alert whose logs are shown beside it; lines before and after its step's line.
@@ -50,11 +51,21 @@ class LogExcerpt:
     lines: list[str]
 
 
+# Alerts about the data a step trained on: restoring past them may skip that data and lower the learning
+# rate, as OPT-175B's operators did by hand.
+DATA_RULES = frozenset({LOSS_SPIKE, GRAD_NORM_SPIKE, NON_FINITE})
+LOWER_LR_FACTOR = 0.5
+
+
 @dataclass
 class AlertView:
     alert: Alert
     restore_from: Checkpoint | None
     logs: list[LogExcerpt]
+    # For DATA_RULES with a checkpoint before: the steps to skip, and the peak learning rate then and offered.
+    skip_steps: tuple[int, int] | None = None
+    lr: float | None = None
+    lower_lr: float | None = None
 
 
 def timeline(run: Run, alerts: list[Alert]) -> list[TimelineEntry]:
@@ -109,7 +120,12 @@ def alert_views(run: Run, alerts: list[Alert]) -> list[AlertView]:
     views = []
     for alert in alerts:
         before = [checkpoint for checkpoint in checkpoints if checkpoint.step < alert.step]
-        views.append(AlertView(alert, before[-1] if before else None, _logs_around(alert)))
+        view = AlertView(alert, before[-1] if before else None, _logs_around(alert))
+        if view.restore_from is not None and alert.rule in DATA_RULES and alert.attempt is not None:
+            view.skip_steps = (view.restore_from.step + 1, alert.last_step)
+            view.lr = alert.attempt.config["optimizer"]["lr"]
+            view.lower_lr = view.lr * LOWER_LR_FACTOR
+        views.append(view)
     return views
 
 

@@ -49,6 +49,9 @@ class RestoreIn(Schema):
     parallel: Any = None
     steps: Any = None
     name: Any = None
+    # Past a loss spike: a new peak learning rate, and [first, last] steps whose data the attempt skips.
+    lr: Any = None
+    skip_steps: Any = None
 
 
 class RestoredOut(Schema):
@@ -86,7 +89,9 @@ def restore(request, run_id: int, body: RestoreIn):
     run = run_services.run_for(request.user, run_id)
     steps = body.steps if body.steps not in (None, "") else None
     try:
-        attempt = services.restore(request.user, run, body.checkpoint, body.mode, body.parallel, steps, body.name)
+        attempt = services.restore(
+            request.user, run, body.checkpoint, body.mode, body.parallel, steps, body.name, body.lr, body.skip_steps
+        )
     except run_services.RunInputError as error:
         return Status(400, {"errors": error.errors})
     return Status(201, {"run": attempt.run_id, "attempt": attempt.number, "forked": attempt.run_id != run.pk})

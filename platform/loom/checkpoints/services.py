@@ -136,15 +136,24 @@ def checkpoint_node(checkpoint: Checkpoint) -> dict:
 # Restoring.
 
 
-def resumed_config(config: dict, resume: str | None, parallel: dict | None = None, steps=None) -> dict:
+def resumed_config(
+    config: dict, resume: str | None, parallel: dict | None = None, steps=None, lr=None, skip_steps=None
+) -> dict:
     """The validated config, defaults filled in, of an attempt that resumes from `resume` (a checkpoint,
-    or a directory of them), in another layout when `parallel` is given; ConfigError says what is wrong.
-    Injected faults rehearse one failure: the attempt that recovers from it runs without them."""
+    or a directory of them), in another layout when `parallel` is given, with another peak learning rate
+    (`lr`) and one more range of steps whose data it skips (`skip_steps`, [first, last]) when given;
+    ConfigError says what is wrong. Injected faults rehearse one failure: the attempt that recovers from
+    it runs without them."""
     document = {**config, "checkpoint": {**config.get("checkpoint", {}), "resume": resume}, "faults": {}}
     if parallel is not None:
         document["parallel"] = {**config.get("parallel", {}), **parallel}
     if steps is not None:
         document["steps"] = steps
+    if lr is not None:
+        document["optimizer"] = {**config.get("optimizer", {}), "lr": lr}
+    if skip_steps is not None:
+        data = config.get("data", {})
+        document["data"] = {**data, "skip_steps": [*data.get("skip_steps", []), skip_steps]}
     return parse_config(document).model_dump(mode="json")
 
 
@@ -156,6 +165,8 @@ def restore(
     parallel: dict | None = None,
     steps=None,
     name: str | None = None,
+    lr=None,
+    skip_steps=None,
 ) -> Attempt:
     """Start from a committed checkpoint of the run, as its next attempt or as the first attempt of a
     new run forked from it, optionally in another layout; errors are keyed by field and change nothing."""
@@ -184,7 +195,7 @@ def restore(
     if errors:
         raise run_services.RunInputError(errors)
     try:
-        config = resumed_config(checkpoint.attempt.config, checkpoint.path, parallel, steps)
+        config = resumed_config(checkpoint.attempt.config, checkpoint.path, parallel, steps, lr, skip_steps)
     except ConfigError as error:
         errors = {f"config.{field}": message for field, message in error.errors.items()}
         raise run_services.RunInputError(errors) from None
