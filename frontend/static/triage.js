@@ -48,3 +48,82 @@
     act(page.urls.cancel, undefined, () => location.reload()),
   );
 })();
+
+// Around each alert: the run's loss and gradient norm over the steps before and after it, and the rank ×
+// step heatmap of that moment (own work for a straggler, memory for creep, else step time) with the
+// alert's ranks outlined. Drawn as each card comes into view.
+window.loomTriage = (() => {
+  const page = JSON.parse(document.getElementById("triage-page").textContent);
+  const state = { drawn: {} };
+  const BEFORE_STEPS = 30;
+  const AFTER_STEPS = 10;
+  const WIDTH = 400;
+  const LAYOUT = { margin: { l: 50, r: 50, t: 28, b: 36 }, showlegend: true, legend: { orientation: "h" } };
+  const CONFIG = { displaylogo: false, responsive: true };
+
+  async function getJson(url) {
+    const response = await fetch(url, { credentials: "same-origin" });
+    if (!response.ok) throw new Error(`${url}: ${response.status}`);
+    return response.json();
+  }
+
+  function marker(step) {
+    return { type: "line", xref: "x", yref: "paper", x0: step, x1: step, y0: 0, y1: 1, line: { dash: "dot" } };
+  }
+
+  async function draw(box) {
+    const alertId = box.closest(".alert-card").dataset.alert;
+    const attempt = Number(box.dataset.attempt);
+    const step = Number(box.dataset.step);
+    const start = Math.max(1, step - BEFORE_STEPS);
+    const end = Number(box.dataset.lastStep) + AFTER_STEPS;
+    const range = `width=${WIDTH}&start=${start}&end=${end}`;
+    const [series, heat] = await Promise.all([
+      getJson(`${page.urls.series}?${range}`),
+      getJson(`${page.urls.heatmap}?${range}&attempt=${attempt}&metric=${box.dataset.metric}`),
+    ]);
+    const curves = (series.attempts.find((item) => item.attempt === attempt) || { series: {} }).series;
+    const traces = ["loss_mean", "grad_norm"]
+      .filter((name) => curves[name])
+      .map((name, index) => ({
+        name,
+        x: curves[name].step,
+        y: curves[name].value,
+        yaxis: index ? "y2" : "y",
+        mode: "lines",
+      }));
+    Plotly.newPlot(
+      box.querySelector(".alert-curves"),
+      traces,
+      { ...LAYOUT, title: { text: "around the alert", font: { size: 13 } }, shapes: [marker(step)],
+        yaxis2: { overlaying: "y", side: "right" } },
+      CONFIG,
+    );
+    const ranks = box.dataset.ranks ? box.dataset.ranks.split(",").map(Number) : [];
+    const outline = ranks.map((rank) => ({
+      type: "rect", xref: "paper", yref: "y", x0: 0, x1: 1, y0: rank - 0.5, y1: rank + 0.5,
+      line: { color: "#d7263d", width: 2 },
+    }));
+    Plotly.newPlot(
+      box.querySelector(".alert-heatmap"),
+      [{ type: "heatmap", x: heat.steps, y: heat.ranks, z: heat.z, colorscale: "Viridis",
+         hovertemplate: "rank %{y}, step %{x}: %{z}<extra></extra>" }],
+      { ...LAYOUT, showlegend: false, title: { text: `${heat.metric} per rank`, font: { size: 13 } },
+        shapes: [...outline, marker(step)], yaxis: { title: "rank", autorange: "reversed" } },
+      CONFIG,
+    );
+    state.drawn[alertId] = { curves: traces.length, heatmap: heat, ranks };
+  }
+
+  const watcher = new IntersectionObserver((entries) => {
+    for (const entry of entries) {
+      if (!entry.isIntersecting) continue;
+      watcher.unobserve(entry.target);
+      draw(entry.target).catch((error) => {
+        entry.target.textContent = `could not draw the charts: ${error.message}`;
+      });
+    }
+  });
+  for (const box of document.querySelectorAll(".alert-charts")) watcher.observe(box);
+  return state;
+})();

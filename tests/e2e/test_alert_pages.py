@@ -64,6 +64,15 @@ def test_a_straggler_toast_leads_to_triage_and_a_restore(live_platform, open_log
     card = page.locator(f"#alert-{alert['id']}")
     expect(card.locator(".alert-rank")).to_have_text(f"rank {SLOW_RANK} on {alert['host']}")
     expect(card.locator(".alert-log").first).to_contain_text(f"rank {SLOW_RANK} step {alert['step']}/")
+    # Beside it, the heatmap of that moment: the slow rank's own work is the darkest row, and outlined.
+    page.wait_for_function(f"window.loomTriage && window.loomTriage.drawn[{alert['id']}]")
+    drawn = page.evaluate(f"window.loomTriage.drawn[{alert['id']}]")
+    assert drawn["curves"] == 2 and drawn["ranks"] == [SLOW_RANK] and drawn["heatmap"]["metric"] == "compute_s"
+    means = [
+        sum(v for v in row if v is not None) / max(1, sum(v is not None for v in row)) for row in drawn["heatmap"]["z"]
+    ]
+    assert max(range(len(means)), key=means.__getitem__) == SLOW_RANK
+    assert alert["step"] in drawn["heatmap"]["steps"]
 
     # The checkpoint offered is the last committed before the alert's step.
     checkpoints = api(page, "GET", f"/api/runs/{run['id']}/checkpoints")[1]

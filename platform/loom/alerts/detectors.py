@@ -186,7 +186,7 @@ def stragglers(
         where = f" on {node}" if node else ""
         message = (
             f"rank {rank}{where} is a straggler: {measure} {times[-1]:.3g} s against a median of {medians[-1]:.3g} s "
-            f"(score {worst:.2f} < {config.straggler_score:g}) for {len(steps)} steps"
+            f"(score {medians[-1] / times[-1]:.2f} < {config.straggler_score:g}) for {len(steps)} steps"
         )
         details = {"host": node, "steps": steps, "step_times": times, "medians": medians, "score": round(worst, 3)}
         findings.append(Finding(STRAGGLER, steps[-1], WARNING, message, rank=rank, ranks=(rank,), details=details))

@@ -25,6 +25,8 @@ def run_triage(request, run_id: int):
             "restore": reverse("api:restore", args=[run.pk]),
             "cancel": reverse("api:cancel_run", args=[run.pk]),
             "run": reverse("run-detail", args=[run.pk]),
+            "series": reverse("api:metric_series", args=[run.pk]),
+            "heatmap": reverse("api:rank_step_heatmap", args=[run.pk]),
         },
     }
     context = {
