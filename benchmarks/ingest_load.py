@@ -238,12 +238,16 @@ class Platform:
             raise RuntimeError(f"manage.py shell failed:\n{done.stderr}")
         return done.stdout
 
-    def start(self) -> None:
+    def migrate(self) -> None:
         command = [sys.executable, "manage.py", "migrate", "--noinput"]
         subprocess.run(command, cwd=ROOT, env=self.env, check=True, capture_output=True)
+
+    def start(self) -> None:
+        self.migrate()
         servers = [("web", self.port)] + ([("ingest", self.ingest_port)] if self.ingest_port != self.port else [])
         for name, port in servers:
             web = [str(VENV_BIN / "uvicorn"), "loom.asgi:application", "--port", str(port), "--no-access-log"]
+            web += ["--timeout-graceful-shutdown", "10"]
             if self.limit_concurrency:
                 web += ["--limit-concurrency", str(self.limit_concurrency)]
             log = open(self.home / f"{name}.log", "wb")  # noqa: SIM115 — open for the process's lifetime

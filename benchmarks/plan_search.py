@@ -22,9 +22,15 @@ from trainer.plan.search import SearchResult, search
 BUDGET_S = 1.0
 SEARCHES = {
     "llama3-405b on 16,384 H100 (2,048 nodes × 8), 2,048 × 8,192 tokens": (
-        {"preset": "llama3-405b"}, {"gpu": "H100-SXM", "nodes": 2048, "gpus_per_node": 8}, 2048),
+        {"preset": "llama3-405b"},
+        {"gpu": "H100-SXM", "nodes": 2048, "gpus_per_node": 8},
+        2048,
+    ),
     "llama3-70b on 64 H100 (8 nodes × 8), 512 × 8,192 tokens": (
-        {"preset": "llama3-70b"}, {"gpu": "H100-SXM", "nodes": 8, "gpus_per_node": 8}, 512),
+        {"preset": "llama3-70b"},
+        {"gpu": "H100-SXM", "nodes": 8, "gpus_per_node": 8},
+        512,
+    ),
 }
 
 
@@ -49,14 +55,20 @@ def main() -> None:
         medians[name] = median = statistics.median(wall)
         fastest = result.results[0] if result.results else None
         print(name)
-        print(f"  {result.evaluated:,} layouts evaluated, {result.valid:,} valid, {result.fitting:,} fit, "
-              f"{result.timed:,} timed exactly; {len(result.pareto)} on the Pareto frontier")
-        print(f"  median {median:.3f} s wall ({', '.join(f'{s:.3f}' for s in wall)}), "
-              f"{statistics.median(cpu):.3f} s CPU; per second: {result.evaluated / median:,.0f} layouts evaluated, "
-              f"{result.valid / median:,.0f} valid")
+        print(
+            f"  {result.evaluated:,} layouts evaluated, {result.valid:,} valid, {result.fitting:,} fit, "
+            f"{result.timed:,} timed exactly; {len(result.pareto)} on the Pareto frontier"
+        )
+        print(
+            f"  median {median:.3f} s wall ({', '.join(f'{s:.3f}' for s in wall)}), "
+            f"{statistics.median(cpu):.3f} s CPU; per second: {result.evaluated / median:,.0f} layouts evaluated, "
+            f"{result.valid / median:,.0f} valid"
+        )
         if fastest:
-            print(f"  fastest: {fastest.summary}: {fastest.tokens_per_s:,.0f} tokens/s, MFU {fastest.mfu:.1%}, "
-                  f"{fastest.peak_bytes / 2**30:.1f} GiB")
+            print(
+                f"  fastest: {fastest.summary}: {fastest.tokens_per_s:,.0f} tokens/s, MFU {fastest.mfu:.1%}, "
+                f"{fastest.peak_bytes / 2**30:.1f} GiB"
+            )
         else:
             print(f"  {result.message}")
     first = next(iter(SEARCHES))

@@ -15,9 +15,12 @@ from channels.layers import channel_layers
 from django.conf import settings
 
 from loom.accounts.services import create_api_token, ensure_user
+from loom.alerts.detectors import RANK_EXIT
+from loom.alerts.models import Alert
 from loom.celery import app as celery_app
 from loom.runs import states
 from loom.runs.models import Attempt
+from trainer.config import FaultsConfig
 
 # Triton decides when it is first imported whether kernels are compiled or interpreted, and torch
 # imports it early in some code paths. Without a GPU the kernel tests interpret kernels on CPU
@@ -123,6 +126,19 @@ def live_platform(platform_server, settings):
     with start_worker(celery_app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"):
         yield LivePlatform(url=platform_server.url, server=platform_server)
         stop_active_attempts()
+    assert_no_false_alarms()
+
+
+def assert_no_false_alarms() -> None:
+    """Every real run a test launched without an injected fault is clean: the detectors must have raised
+    nothing about it (a failed attempt's rank_exit alert reports a failure the test caused, not a guess)."""
+    clean = FaultsConfig()
+    false = [
+        (alert.run.name, alert.message)
+        for alert in Alert.objects.exclude(rule=RANK_EXIT).select_related("run")
+        if FaultsConfig.model_validate(alert.run.config.get("faults", {})) == clean
+    ]
+    assert not false, f"alerts on runs without injected faults: {false}"
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils.weak import WeakIdKeyDictionary
 
+from trainer.collective_progress import CollectiveProgress
 from trainer.config import TelemetryConfig
 from trainer.parallel.mesh import ParallelMesh
 from trainer.telemetry import TelemetryClient
@@ -176,6 +177,7 @@ class CollectiveCapture:
         self._pending_waits: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._group_ranks: dict[str, tuple[int, ...]] = {}
         self._poller = _CompletionPoller()
+        self.progress = CollectiveProgress()
 
     def __enter__(self) -> CollectiveCapture:
         if not self._libraries:
@@ -250,6 +252,7 @@ class CollectiveCapture:
             group = self._ranks_of(op.group)
             peer = group[op.group_peer] if op.group_peer is not None else None
             records.append((CommOp(op.op, group, op.nbytes, peer), timing))
+            self.progress.issued(op.op, group, peer, timing)
         with self._lock:
             self._records += records
 
@@ -377,6 +380,10 @@ class CommRecorder:
             self._emit_window()
         return step_s
 
+    def progress(self) -> dict:
+        """This rank's collective progress, for its heartbeats (collective_progress.py)."""
+        return self._capture.progress.snapshot()
+
     def flush(self) -> None:
         """The run's steps are over: remove the dispatcher kernels and emit the window so far, if it holds any step."""
         self._capture.remove()
@@ -404,6 +411,9 @@ class NoCommRecorder:
 
     def step_finished(self, step: int) -> None:
         """Nothing is recorded: no collective time to report."""
+
+    def progress(self) -> None:
+        """Nothing is counted: heartbeats carry no collective progress."""
 
     def flush(self) -> None:
         pass

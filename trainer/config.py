@@ -411,6 +411,15 @@ class AlertsConfig(_Section):
         description="Tokens/s this fraction below the window's median, throughput_drop_steps steps running, is a drop.",
     )
     throughput_drop_steps: int = Field(3, ge=1, le=1000, description="Consecutive slow steps that make a drop.")
+    throughput_drop_min_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description=(
+            "A drop must also last this many seconds of training (more slow steps when steps are short): a few "
+            "steps slowed by a checkpoint save or a busy host are not a drop."
+        ),
+    )
     memory_warmup_steps: int = Field(
         10,
         ge=0,

@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +210,8 @@ class TelemetryClient:
         self._lock = threading.Lock()
         self._closed = False
         self._last_step: int | None = None
+        # Called by the heartbeat thread: what else each heartbeat carries (the collective progress).
+        self.heartbeat_details: Callable[[], dict | None] = lambda: None
         self._closing = threading.Event()
         self._spooled = threading.Event()
         self._spooler_done = threading.Event()
@@ -342,9 +344,12 @@ class TelemetryClient:
 
     def _heartbeat_loop(self) -> None:
         identity = {"pid": os.getpid(), "host": socket.gethostname()}
-        self.emit("heartbeat", identity, step=self._last_step)
-        while not self._closing.wait(self.heartbeat_interval_s):
-            self.emit("heartbeat", identity, step=self._last_step)
+        while True:
+            collectives = self.heartbeat_details()
+            extra = {"collectives": collectives} if collectives is not None else {}
+            self.emit("heartbeat", identity | extra, step=self._last_step)
+            if self._closing.wait(self.heartbeat_interval_s):
+                return
 
 
 class TelemetryLogHandler(logging.Handler):

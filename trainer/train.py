@@ -179,6 +179,7 @@ def train(
     sampler = WindowSampler.from_config(config)
     data_parallel = config.parallel.data_parallel
     comm = comm_recorder(config.telemetry, mesh, telemetry)
+    telemetry.heartbeat_details = comm.progress
     checkpointer = Checkpointer(
         config,
         parallel_model.state_modules,

@@ -39,11 +39,22 @@ window.loom = (() => {
     return true;
   }
 
+  // Each error beside the field it names; what names no field goes in `list` (a <ul> above the form),
+  // which is hidden when there is none.
+  function showFieldErrors(form, list, errors) {
+    clearFieldMessages(form);
+    const unplaced = Object.entries(errors)
+      .filter(([field, message]) => !placeFieldMessage(form, field, message, "field-error"))
+      .map(([field, message]) => `${field}: ${message}`);
+    list.replaceChildren(...unplaced.map(listItem));
+    list.hidden = unplaced.length === 0;
+  }
+
   function listItem(text) {
     const item = document.createElement("li");
     item.textContent = text;
     return item;
   }
 
-  return { post, clearFieldMessages, placeFieldMessage, listItem };
+  return { post, clearFieldMessages, placeFieldMessage, showFieldErrors, listItem };
 })();

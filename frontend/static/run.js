@@ -548,6 +548,8 @@
 
   // ---- restoring a checkpoint ----
 
+  // Restore errors beside the inputs they name ("config.parallel.tp"); what names no input (the model's
+  // sequence length, say, which a new tp must divide) in this list above the form.
   const restoreErrors = document.getElementById("restore-errors");
   const restoreName = document.getElementById("restore-name");
   const restoreSteps = document.getElementById("restore-steps");
@@ -581,7 +583,7 @@
     // A new attempt needs the run to be finished; while it is not, forking is what can be done.
     const mode = runIsActive() ? "fork" : "attempt";
     restoreForm.querySelector(`input[name="restore-mode"][value="${mode}"]`).checked = true;
-    showRestoreErrors({});
+    loom.showFieldErrors(restoreForm, restoreErrors, {});
     for (const row of checkpointRows.querySelectorAll("tr.restoring")) row.classList.remove("restoring");
     checkpointRows.querySelector(`tr[data-checkpoint="${checkpoint.id}"]`).classList.add("restoring");
     restoreForm.hidden = false;
@@ -669,28 +671,18 @@
         closeRestore();
         scheduleDetails();
       } else if (response.status === 400) {
-        showRestoreErrors((await response.json()).errors);
+        loom.showFieldErrors(restoreForm, restoreErrors, (await response.json()).errors);
       } else {
-        showRestoreErrors({ restore: `HTTP ${response.status}` });
+        loom.showFieldErrors(restoreForm, restoreErrors, { restore: `HTTP ${response.status}` });
       }
     } catch (error) {
-      showRestoreErrors({ restore: error.message });
+      loom.showFieldErrors(restoreForm, restoreErrors, { restore: error.message });
     } finally {
       launching = false;
       showRestoreAvailability();
     }
   }
 
-  // Each error beside the input it names ("config.parallel.tp"); what names no input (the model's
-  // sequence length, say, which a new tp must divide) at the top of the form.
-  function showRestoreErrors(errors) {
-    loom.clearFieldMessages(restoreForm);
-    const unplaced = Object.entries(errors)
-      .filter(([field, message]) => !loom.placeFieldMessage(restoreForm, field, message, "field-error"))
-      .map(([field, message]) => `${field}: ${message}`);
-    restoreErrors.replaceChildren(...unplaced.map(loom.listItem));
-    restoreErrors.hidden = unplaced.length === 0;
-  }
 
   // ---- resilience ----
 

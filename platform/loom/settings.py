@@ -120,7 +120,7 @@ CHANNEL_LAYER_READ_TIMEOUT_S = 30
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "BACKEND": "loom.channel_layer.RedisChannelLayer",
             "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S}]},
         }
     }
@@ -160,6 +160,8 @@ LOOM_CANCEL_GRACE_S = float(os.environ.get("LOOM_CANCEL_GRACE_S", "10"))
 LOOM_FANOUT_INTERVAL_S = float(os.environ.get("LOOM_FANOUT_INTERVAL_S", "0.1"))
 # How often a web process judges each attempt that reported metrics (loom/alerts/watch.py).
 LOOM_ALERTS_INTERVAL_S = float(os.environ.get("LOOM_ALERTS_INTERVAL_S", "1.0"))
+# Every open page also asks this often for alerts it may have missed (a dropped websocket message).
+LOOM_ALERTS_RESYNC_S = float(os.environ.get("LOOM_ALERTS_RESYNC_S", "30"))
 # How often Celery beat has running attempts checked for hangs (loom/alerts/hangs.py), and the queue that
 # check goes to. A worker's every slot can be busy supervising runs for days, so a deployment gives the check
 # a queue and a small worker of its own (bin/up, docker/compose.yaml); unset, it shares the default queue.

@@ -10,6 +10,7 @@ from loom.alerts.detectors import StepRow
 from trainer.config import AlertsConfig
 
 CONFIG = AlertsConfig()
+TOKENS_PER_STEP = 10_000
 
 
 def training_rows(steps: int, seed: int = 0, **overrides) -> list[StepRow]:
@@ -26,7 +27,8 @@ def training_rows(steps: int, seed: int = 0, **overrides) -> list[StepRow]:
             "memory_rank": 0,
         }
         values.update({name: value(step, values[name]) for name, value in overrides.items()})
-        rows.append(StepRow(step, **values))
+        # A second a step at full speed.
+        rows.append(StepRow(step, **values, step_time_s=TOKENS_PER_STEP / values["tokens_per_s"]))
     return rows
 
 
@@ -88,14 +90,25 @@ def test_a_grad_norm_spike():
     assert (finding.rule, finding.step) == (detectors.GRAD_NORM_SPIKE, 70)
 
 
-def test_a_throughput_drop_needs_its_steps_running():
-    slow_from = 91
+def test_a_throughput_drop_needs_its_steps_running_and_its_seconds():
+    slow_from = 71
     rows = training_rows(100, tokens_per_s=lambda step, v: v * 0.5 if step >= slow_from else v)
     (finding,) = detectors.throughput_drop(rows, CONFIG)
-    assert finding.step == 100 and finding.details["steps"] == [98, 99, 100]
+    # Two seconds a slow step: the last 15 hold throughput_drop_min_s (30 s).
+    assert finding.step == 100 and finding.details["steps"] == list(range(86, 101))
+    assert 30 <= finding.details["seconds"] < 32 and "for 15 steps (30." in finding.message
     # Two slow steps out of three are not a drop.
     blip = training_rows(100, tokens_per_s=lambda step, v: v * 0.5 if step in (98, 100) else v)
     assert detectors.throughput_drop(blip, CONFIG) == []
+
+
+def test_a_few_slow_steps_are_no_drop_until_they_last():
+    """Three steps at half speed (a checkpoint save, a busy host) are six seconds, not a drop; with the time
+    floor off they are."""
+    brief = training_rows(100, tokens_per_s=lambda step, v: v * 0.5 if step >= 98 else v)
+    assert detectors.throughput_drop(brief, CONFIG) == []
+    (finding,) = detectors.throughput_drop(brief, CONFIG.model_copy(update={"throughput_drop_min_s": 0}))
+    assert finding.details["steps"] == [98, 99, 100]
 
 
 def test_memory_creep_names_the_rank_and_a_flat_or_one_off_rise_is_not_creep():

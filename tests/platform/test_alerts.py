@@ -3,9 +3,11 @@ through the API, and the watcher judging what the live ingest endpoint stored.""
 
 import random
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timedelta
 
 import pytest
+from django.db.models import F
+from django.utils import timezone
 
 from loom.alerts import detectors
 from loom.alerts.evaluate import evaluate
@@ -14,6 +16,7 @@ from loom.alerts.models import Alert
 from loom.alerts.services import Changes, record
 from loom.runs import states
 from loom.runs.models import Attempt
+from loom.telemetry.models import RankStatus
 
 from ..conftest import wait_for
 from .helpers import TINY_CONFIG, BatchSender, claimed_run
@@ -168,37 +171,121 @@ def test_the_watcher_judges_what_the_ingest_endpoint_stored_within_seconds(platf
     assert "grad_norm" in alert.message and "loss_mean" in alert.message
 
 
-def beat_at(rank: int, at: float, step: int | None) -> dict:
+# Every rank's clock is an hour slow: hangs are judged by when the platform stored what it heard.
+SKEW_S = -3600.0
+
+
+def beat(rank: int, step: int | None, collectives: dict | None = None) -> dict:
     payload = {"host": f"node-{rank // 4}", "pid": 100 + rank}
-    return {"kind": "heartbeat", "time": at, "step": step, "payload": payload}
+    if collectives is not None:
+        payload["collectives"] = collectives
+    return {"kind": "heartbeat", "time": time.time() + SKEW_S, "step": step, "payload": payload}
+
+
+def skewed_metric(rank: int, step: int) -> dict:
+    return {**rank_metric(rank, step), "time": time.time() + SKEW_S}
+
+
+def progress(issued: int, waiting: bool, quiet_s: float = 60.0) -> dict:
+    """A heartbeat's collective progress on a four-rank data-parallel group."""
+    wait = {"op": "all_reduce", "ranks": [0, 1, 2, 3], "for_s": quiet_s} if waiting else None
+    return {"groups": [{"ranks": [0, 1, 2, 3], "issued": issued}], "peers": [], "waiting": wait, "quiet_s": quiet_s}
+
+
+def heard_at(attempt: Attempt, rank: int) -> datetime:
+    return RankStatus.objects.get(attempt=attempt, rank=rank).heard_at
+
+
+def heard_ago(attempt: Attempt, seconds: float) -> None:
+    """As if everything the platform has heard from the attempt so far had been stored `seconds` earlier."""
+    earlier = F("received_at") - timedelta(seconds=seconds)
+    attempt.events.update(received_at=earlier)
+    RankStatus.objects.filter(attempt=attempt).update(heard_at=F("heard_at") - timedelta(seconds=seconds))
+
+
+def running_attempt(user, started_at: datetime | None = None) -> Attempt:
+    """A claimed four-rank attempt, running since `started_at` (now by default)."""
+    _, attempt, _ = claimed_run(user, config={**TINY_CONFIG, "parallel": {"dp_replicate": 4}})
+    Attempt.objects.filter(pk=attempt.pk).update(state=states.RUNNING, started_at=started_at or timezone.now())
+    attempt.refresh_from_db()
+    return attempt
 
 
 def test_hangs_a_silent_rank_a_stalled_run_the_grace_before_the_first_step_and_clearing(platform_user):
-    _, attempt, _ = claimed_run(platform_user[0], config={**TINY_CONFIG, "parallel": {"dp_replicate": 4}})
-    start = time.time()
-    Attempt.objects.filter(pk=attempt.pk).update(state=states.RUNNING, started_at=datetime.fromtimestamp(start, UTC))
-    attempt.refresh_from_db()
+    # Building the model for 300 s so far, every rank beating: within the 600 s grace, nothing.
+    attempt = running_attempt(platform_user[0], started_at=timezone.now() - timedelta(seconds=300))
     sender = BatchSender(attempt)
-    at = lambda seconds: datetime.fromtimestamp(start + seconds, UTC)  # noqa: E731
-
-    # Building the model for 300 s, every rank beating: within the 600 s grace, nothing.
     for rank in range(4):
-        sender.send(rank, beat_at(rank, start + 300, None))
-    assert check_hangs(at(310)) == [Changes([], [], [])]
-    # Rank 3 never beats again; the others report step 1 and go on beating.
+        sender.send(rank, beat(rank, None))
+    assert check_hangs(heard_at(attempt, 0) + timedelta(seconds=10)) == [Changes([], [], [])]
+    # Rank 3 never beats again; 140 s later the others report step 1 and go on beating.
+    heard_ago(attempt, 140)
+    silent_since = heard_at(attempt, 3)
     for rank in range(3):
-        sender.send(rank, {**rank_metric(rank, 1), "time": start + 330}, beat_at(rank, start + 440, 1))
-    (changes,) = check_hangs(at(445))
+        sender.send(rank, skewed_metric(rank, 1), beat(rank, 1))
+    (changes,) = check_hangs(silent_since + timedelta(seconds=145))
     (silent,) = changes.opened
     assert (silent.rule, silent.rank, silent.host) == (detectors.HANG, 3, "node-0")
     assert "no heartbeat from rank 3 for 145 s" in silent.message
-    # And 121 s after step 1 the run as a whole is stalled at it.
-    (changes,) = check_hangs(at(451))
+    # 121 s after step 1 was stored, the ranks still beating, the run as a whole is stalled at it; without
+    # collective progress no rank can be named.
+    heard_ago(attempt, 121)
+    for rank in range(3):
+        sender.send(rank, beat(rank, 1))
+    stored = attempt.events.filter(kind="metric", step=1).latest("received_at").received_at
+    (changes,) = check_hangs(stored + timedelta(seconds=121))
     (stalled,) = changes.opened
-    assert (stalled.rank, stalled.step, stalled.ranks) == (None, 1, [0, 1, 2])
+    assert (stalled.rank, stalled.step, stalled.ranks) == (None, 1, [])
+    assert "no step completed for 121 s (since step 1)" in stalled.message
+    assert "telemetry.comm" in stalled.message
     # Rank 3 is back and step 2 completes: both clear.
     for rank in range(4):
-        sender.send(rank, {**rank_metric(rank, 2), "time": start + 452}, beat_at(rank, start + 452, 2))
-    (changes,) = check_hangs(at(453))
+        sender.send(rank, skewed_metric(rank, 2), beat(rank, 2))
+    (changes,) = check_hangs(timezone.now())
     assert {alert.pk for alert in changes.resolved} == {silent.pk, stalled.pk}
     assert not Alert.objects.filter(state__in=Alert.LIVE).exists()
+
+
+def test_a_stalled_run_names_the_rank_the_others_wait_for_once_their_progress_settles(platform_user):
+    attempt = running_attempt(platform_user[0])
+    sender = BatchSender(attempt)
+    for rank in range(4):
+        sender.send(rank, skewed_metric(rank, 7))
+    heard_ago(attempt, 130)
+    stored = attempt.events.filter(kind="metric", step=7).latest("received_at").received_at
+    # Mid-step, counts differ for a moment: that is no evidence.
+    for rank in range(4):
+        sender.send(rank, beat(rank, 7, progress(40 + rank % 2, waiting=rank % 2 == 1, quiet_s=0.01)))
+    (changes,) = check_hangs(stored + timedelta(seconds=130))
+    (stalled,) = changes.opened
+    assert stalled.ranks == [] and "rank" not in stalled.message.split(";")[0]
+    # Settled: ranks 0, 1 and 3 issued their 41st collective and wait in it; rank 2 never issued it.
+    for rank in range(4):
+        sender.send(rank, beat(rank, 7, progress(40 if rank == 2 else 41, waiting=rank != 2)))
+    (changes,) = check_hangs(stored + timedelta(seconds=140))
+    assert changes.updated == [stalled]
+    stalled.refresh_from_db()
+    assert stalled.ranks == [2]
+    assert "rank 2 (on node-0) is the one the others wait for" in stalled.message
+    assert "it issued 40 collectives on ranks [0, 1, 2, 3], ranks 0, 1, 3 issued 41" in stalled.message
+    assert stalled.details["culprits"][0]["rank"] == 2 and stalled.details["culprits"][0]["waiting"] is False
+    assert set(stalled.details["waiting"]) == {"0", "1", "3"}
+
+
+def test_a_rank_whose_metrics_arrive_is_not_silent_though_its_heartbeats_are_late(platform_user):
+    """A heartbeat thread starved of CPU on a busy host sends late; the rank's steps still arrive."""
+    attempt = running_attempt(platform_user[0])
+    sender = BatchSender(attempt)
+    for rank in range(4):
+        sender.send(rank, beat(rank, None))
+    heard_ago(attempt, 200)
+    for rank in range(4):
+        sender.send(rank, skewed_metric(rank, 1))
+    assert check_hangs(timezone.now() + timedelta(seconds=5)) == [Changes([], [], [])]
+    # Rank 2's metrics stop too: now it is silent.
+    heard_ago(attempt, 200)
+    for rank in (0, 1, 3):
+        sender.send(rank, skewed_metric(rank, 2))
+    (changes,) = check_hangs(timezone.now())
+    (silent,) = changes.opened
+    assert (silent.rule, silent.rank) == (detectors.HANG, 2)

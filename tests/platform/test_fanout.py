@@ -4,7 +4,13 @@ import math
 import threading
 import time
 
+import redis
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
+
 from loom.telemetry.fanout import Coalescer
+from loom.telemetry.publish import GroupSender, run_group
 
 INTERVAL_S = 0.05
 
@@ -86,3 +92,34 @@ def test_a_failing_send_is_logged_and_later_events_still_go_out(caplog):
     wait_until(lambda: len(sent) == 2)
     assert sent[1] == [{"seq": 2}]
     assert "pages will resync" in caplog.text
+
+
+def redis_connections_received() -> int:
+    """Connections the Redis server has accepted since it started; 0 on the in-memory channel layer."""
+    if not settings.REDIS_URL:
+        return 0
+    return redis.Redis.from_url(settings.REDIS_URL).info("stats")["total_connections_received"]
+
+
+def test_the_group_sender_delivers_every_message_in_order_over_one_kept_connection():
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(run_group(9), channel)
+    sender, messages = GroupSender(), 20
+    before = redis_connections_received()
+    # The coalescer's thread is the one that sends.
+    thread = threading.Thread(target=lambda: [sender(9, [{"seq": seq}]) for seq in range(1, messages + 1)])
+    thread.start()
+    thread.join()
+    opened = redis_connections_received() - before
+
+    async def receive_all():
+        # One event loop for every receive: channels_redis buffers a channel's messages per loop.
+        return [await layer.receive(channel) for _ in range(messages)]
+
+    received = async_to_sync(receive_all)()
+    async_to_sync(layer.group_discard)(run_group(9), channel)
+    assert [message["events"] for message in received] == [[{"seq": seq}] for seq in range(1, messages + 1)]
+    assert all(message["type"] == "run.events" and message["sent"] > 0 for message in received)
+    # A connection per message before: 20. The test's own INFO connection is one of those counted.
+    assert opened <= 3

@@ -6,6 +6,7 @@ import itertools
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -14,7 +15,15 @@ import torch.distributed._functional_collectives as funcol
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.hybrid import WORLD, hybrid_config, kind_of_pair
-from trainer.comm import CollectiveCapture, CommRecorder, NoCommRecorder, comm_recorder, hook_installed
+from trainer.collective_progress import PRUNE_AT, CollectiveProgress
+from trainer.comm import (
+    CollectiveCapture,
+    CommRecorder,
+    NoCommRecorder,
+    _Timing,
+    comm_recorder,
+    hook_installed,
+)
 from trainer.config import ParallelConfig, TelemetryConfig, parse_config
 from trainer.model import Transformer
 from trainer.parallel.mesh import ParallelMesh
@@ -280,6 +289,70 @@ def test_a_second_capture_is_refused_while_one_is_installed(capture):
         pass
     with pytest.raises(RuntimeError, match="another CollectiveCapture is installed"), CollectiveCapture():
         pass
+
+
+def test_progress_counts_each_groups_collectives_and_names_the_op_still_in_flight(capture):
+    with capture:
+        dist.all_reduce(floats(3))
+        funcol.all_reduce(floats(3), "sum", dist.group.WORLD).wait()
+        unfinished = funcol.all_gather_single(floats(2), 0, dist.group.WORLD)
+        in_flight = capture.progress.snapshot()
+        unfinished.wait()
+    dist.all_reduce(floats(3))
+    done = capture.progress.snapshot()
+    assert in_flight["groups"] == done["groups"] == [{"ranks": [0], "issued": 3}]
+    assert in_flight["waiting"]["op"] == "all_gather" and in_flight["waiting"]["ranks"] == [0]
+    assert done["waiting"] is None and done["peers"] == []
+    assert 0 <= done["quiet_s"] < 60
+
+
+def test_progress_counts_sends_and_receives_per_peer():
+    """Point-to-point ops are counted by their other end, not by group: stages exchange different numbers."""
+    progress = CollectiveProgress()
+    issued = [("send", 1), ("send", 1), ("recv", 1), ("recv", 3)]
+    timings = [_Timing() for _ in issued]
+    for (op, peer), timing in zip(issued, timings, strict=True):
+        progress.issued(op, (0, 1, 2, 3), peer, timing)
+    for timing in timings[:3]:
+        timing.complete()
+    snapshot = progress.snapshot()
+    assert snapshot["peers"] == [{"peer": 1, "sent": 2, "received": 1}, {"peer": 3, "sent": 0, "received": 1}]
+    assert snapshot["groups"] == []
+    assert snapshot["waiting"]["op"] == "recv" and snapshot["waiting"]["for_s"] >= 0
+
+
+def test_ops_never_completed_are_not_kept_without_bound():
+    """A functional collective whose result is never waited on never completes: the list of ops in flight
+    keeps only the newest of them, and counting stays cheap."""
+    progress = CollectiveProgress()
+    for _ in range(3 * PRUNE_AT):
+        progress.issued("all_reduce", (0, 1), None, _Timing())
+    assert len(progress._pending) <= PRUNE_AT
+    assert progress.snapshot()["groups"] == [{"ranks": [0, 1], "issued": 3 * PRUNE_AT}]
+
+
+def test_heartbeats_carry_the_collective_progress(one_rank_world, tmp_path):
+    recorder, _ = one_rank_recorder(tmp_path / "unused", window_steps=1)
+    telemetry = TelemetryClient(None, None, None, 0, tmp_path, flush_interval_s=0.05, heartbeat_interval_s=0.05)
+    telemetry.heartbeat_details = recorder.progress
+    with recorder.recording():
+        dist.all_reduce(floats(2))
+        dist.all_reduce(floats(2))
+    recorder.flush()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not heartbeat_counts(tmp_path):
+        time.sleep(0.05)
+    telemetry.close(timeout_s=5)
+    assert heartbeat_counts(tmp_path)[-1] == [{"ranks": [0], "issued": 2}]
+
+
+def heartbeat_counts(spool_dir) -> list[list[dict]]:
+    return [
+        event["payload"]["collectives"]["groups"]
+        for batch in read_spool(spool_dir)
+        for event in batch["events"]
+        if event["kind"] == "heartbeat" and event["payload"].get("collectives", {}).get("groups")
+    ]
 
 
 def one_rank_recorder(tmp_path, window_steps: int) -> tuple[CommRecorder, TelemetryClient]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loom.alerts.culprits import find_culprits
 from trainer.checkpoint import CheckpointCorrupt, verify
 
 from .torchrun import FinishedRun, kill_trainer, run_trainer, start_trainer, started_run_result, wait_for_output
@@ -121,6 +122,29 @@ def test_a_hung_rank_stops_every_rank_at_its_step_while_its_heartbeats_go_on(tmp
     (hang_time,) = [event["time"] for _, event in run.events("log") if "hangs at step" in event["payload"]["message"]]
     later_beats = [event for rank, event in run.events("heartbeat") if rank == 1 and event["time"] > hang_time]
     assert len(later_beats) >= 2
+
+
+@pytest.mark.slow
+def test_a_hung_pipeline_stage_is_named_from_its_neighbours_heartbeats(tmp_path):
+    """Two pipeline stages; the first hangs before its step's sends. The heartbeats' collective progress,
+    judged as the platform judges a stalled run (loom.alerts.culprits), names it: the second stage has
+    posted receives from it that it never sent."""
+    hung = document(100, {"hang_at_step": FAULT_STEP, "hang_rank": 0})
+    hung["parallel"] = {"pp": 2, "microbatches": 2}
+    hung["telemetry"] |= {"heartbeat_interval_s": 0.2, "comm": True}
+    process = start_trainer(tmp_path, hung)
+    try:
+        wait_for_output(tmp_path, f"injected fault: rank 0 hangs at step {FAULT_STEP}", process)
+        time.sleep(HANG_WATCH_S)
+    finally:
+        kill_trainer(process)
+    run = started_run_result(tmp_path, process)
+    beats = run.events("heartbeat")
+    progress = {rank: event["payload"]["collectives"] for rank, event in beats if "collectives" in event["payload"]}
+    verdict = find_culprits(progress, settle_s=HANG_WATCH_S / 2)
+    assert [suspect.rank for suspect in verdict.culprits] == [0], progress
+    assert verdict.culprits[0].evidence[0].startswith("it sent rank 1 ")
+    assert not verdict.culprits[0].waiting and "recv" in verdict.waits[1]
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from ninja import Router, Schema, Status
 from loom.runs import services as run_services
 
 from . import notify, services, webhooks
+from .delivery_report import RECENT_DELIVERIES
 from .models import Alert, Webhook
 
 router = Router(tags=["alerts"])
@@ -123,9 +124,6 @@ class WebhookOut(Schema):
     @staticmethod
     def resolve_deliveries(hook):
         return list(hook.deliveries.all()[:RECENT_DELIVERIES])
-
-
-RECENT_DELIVERIES = 20
 
 
 @router.get("/webhooks", response=list[WebhookOut])

@@ -44,6 +44,8 @@ class StepRow:
     tokens_per_s: float | None = None
     memory_bytes: int | None = None
     memory_rank: int | None = None
+    # The step's wall time: the slowest rank's.
+    step_time_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -111,23 +113,41 @@ def _judged(series: list[tuple[int, float]], config: AlertsConfig, after_step: i
 
 
 def throughput_drop(rows: Sequence[StepRow], config: AlertsConfig) -> list[Finding]:
-    """The last throughput_drop_steps steps each below (1 − throughput_drop) × the median of the window before them."""
-    series = _values(rows, "tokens_per_s")
-    recent, before = series[-config.throughput_drop_steps :], series[: -config.throughput_drop_steps]
-    history = [value for _, value in before[-config.window :]]
-    if len(recent) < config.throughput_drop_steps or len(history) < config.min_history:
+    """The last steps, at least throughput_drop_steps of them and at least throughput_drop_min_s of training,
+    each below (1 − throughput_drop) × the median of the window before them. The time floor keeps a few
+    short steps slowed by something passing (a checkpoint save, a busy host) from being a drop."""
+    series = [row for row in rows if row.tokens_per_s is not None]
+    count = drop_span(series, config)
+    if count is None:
+        return []
+    recent, before = series[-count:], series[:-count]
+    history = [row.tokens_per_s for row in before[-config.window :]]
+    if len(history) < config.min_history:
         return []
     median = statistics.median(history)
     floor = (1 - config.throughput_drop) * median
-    if not all(value < floor for _, value in recent):
+    if not all(row.tokens_per_s < floor for row in recent):
         return []
-    step, value = recent[-1]
+    latest = recent[-1]
+    seconds = sum(row.step_time_s or 0.0 for row in recent)
     message = (
-        f"tokens/s {value:,.0f} at step {step}, below {floor:,.0f} ({1 - config.throughput_drop:.0%} of the median "
-        f"{median:,.0f}) for {len(recent)} steps"
+        f"tokens/s {latest.tokens_per_s:,.0f} at step {latest.step}, below {floor:,.0f} "
+        f"({1 - config.throughput_drop:.0%} of the median {median:,.0f}) for {count} steps ({seconds:,.1f} s)"
     )
-    details = {"value": value, "median": median, "steps": [s for s, _ in recent]}
-    return [Finding(THROUGHPUT_DROP, step, WARNING, message, details=details)]
+    details = {"value": latest.tokens_per_s, "median": median, "steps": [row.step for row in recent]}
+    details["seconds"] = round(seconds, 3)
+    return [Finding(THROUGHPUT_DROP, latest.step, WARNING, message, details=details)]
+
+
+def drop_span(series: Sequence[StepRow], config: AlertsConfig) -> int | None:
+    """How many of the last steps a drop is judged over: throughput_drop_steps, or more until they hold
+    throughput_drop_min_s of training; None when the rows hold too few."""
+    seconds = 0.0
+    for count, row in enumerate(reversed(series), start=1):
+        seconds += row.step_time_s or 0.0
+        if count >= config.throughput_drop_steps and seconds >= config.throughput_drop_min_s:
+            return count
+    return None
 
 
 def memory_creep(rows: Sequence[StepRow], config: AlertsConfig) -> list[Finding]:

@@ -6,6 +6,9 @@ where the last left off; only `judged_through` (the last step the spike detector
 caller's to keep, and losing it means judging a window again, which opens nothing twice.
 """
 
+import dataclasses
+import math
+import statistics
 from dataclasses import dataclass
 
 from django.db import transaction
@@ -19,6 +22,9 @@ from trainer.config import AlertsConfig
 from . import detectors
 from .detectors import StepRow
 from .services import Changes, clear_stale, host_lookup, record
+
+# The most steps read back to judge a drop over throughput_drop_min_s (steps of a few milliseconds).
+DROP_STEPS_MAX = 2000
 
 
 @dataclass(frozen=True)
@@ -54,24 +60,45 @@ def evaluate(attempt: Attempt, non_finite_reports: list[tuple[int, int, str, obj
 
 
 def _step_rows(attempt: Attempt, config: AlertsConfig) -> list[StepRow]:
-    """The run-level view of the latest window (and the steps a drop or a straggler needs on top)."""
+    """The run-level view of the latest window and the steps a straggler or a drop needs on top; short steps
+    need more of them to hold throughput_drop_min_s (up to DROP_STEPS_MAX)."""
     latest = RankStep.objects.filter(attempt=attempt).aggregate(latest=Max("step"))["latest"]
     if latest is None:
         return []
-    span = config.window + max(config.throughput_drop_steps, config.straggler_steps) + 1
+    extra = max(config.throughput_drop_steps, config.straggler_steps)
+    first = latest - config.window - extra
+    rows = _rows_between(attempt, first, latest)
+    times = [row.step_time_s for row in rows if row.step_time_s]
+    if times:
+        needed = min(DROP_STEPS_MAX, math.ceil(config.throughput_drop_min_s / statistics.median(times)) + 1)
+        if needed > extra:
+            rows = _rows_between(attempt, latest - config.window - needed, first) + rows
+    return rows
+
+
+def _rows_between(attempt: Attempt, after_step: int, through_step: int) -> list[StepRow]:
     grouped = (
-        RankStep.objects.filter(attempt=attempt, step__gt=latest - span)
+        RankStep.objects.filter(attempt=attempt, step__gt=after_step, step__lte=through_step)
         .values("step")
         .annotate(
             loss=Min(Coalesce("loss_mean", "loss")),
             grad_norm=Max("grad_norm"),
             tokens_per_s=Avg("tokens_per_s"),
             memory_bytes=Max("memory_bytes"),
+            step_time_s=Max("step_time_s"),
         )
         .order_by("step")
     )
     return [
-        StepRow(row["step"], row["loss"], row["grad_norm"], row["tokens_per_s"], row["memory_bytes"]) for row in grouped
+        StepRow(
+            row["step"],
+            row["loss"],
+            row["grad_norm"],
+            row["tokens_per_s"],
+            row["memory_bytes"],
+            step_time_s=row["step_time_s"],
+        )
+        for row in grouped
     ]
 
 
@@ -86,7 +113,7 @@ def _with_memory_rank(attempt: Attempt, rows: list[StepRow]) -> list[StepRow]:
         .values_list("rank", flat=True)
         .first()
     )
-    named = StepRow(last.step, last.loss, last.grad_norm, last.tokens_per_s, last.memory_bytes, rank)
+    named = dataclasses.replace(last, memory_rank=rank)
     return [*rows[:-1], named]
 
 

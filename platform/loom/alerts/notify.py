@@ -7,12 +7,12 @@ import logging
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import transaction
-from django.urls import reverse
 
 from .consumers import user_alerts_group
 from .models import Alert
 from .services import Changes
 from .webhooks import queue_deliveries
+from .wire import alert_wire
 
 log = logging.getLogger(__name__)
 
@@ -20,29 +20,6 @@ OPENED = "opened"
 UPDATED = "updated"
 ACKNOWLEDGED = "acknowledged"
 RESOLVED = "resolved"
-
-
-def alert_wire(alert: Alert) -> dict:
-    """An alert as pages and webhooks receive it."""
-    return {
-        "id": alert.pk,
-        "run": alert.run_id,
-        "run_name": alert.run.name,
-        "run_url": reverse("run-detail", args=[alert.run_id]),
-        "triage_url": reverse("run-triage", args=[alert.run_id]) + f"#alert-{alert.pk}",
-        "attempt": alert.attempt.number if alert.attempt_id else None,
-        "rule": alert.rule,
-        "rank": alert.rank,
-        "ranks": alert.ranks,
-        "host": alert.host,
-        "severity": alert.severity,
-        "state": alert.state,
-        "step": alert.step,
-        "last_step": alert.last_step,
-        "message": alert.message,
-        "resolution": alert.resolution,
-        "opened_at": alert.opened_at.isoformat(),
-    }
 
 
 def announce(changes: Changes) -> None:

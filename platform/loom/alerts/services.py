@@ -51,8 +51,10 @@ def _open_or_update(attempt: Attempt, finding: Finding, host: Callable[[int], st
     for _ in range(2):
         live = Alert.objects.filter(run_id=attempt.run_id, key=key, state__in=Alert.LIVE).first()
         if live is not None:
-            # Seen already; a restarted attempt may report the same steps again, and that is news.
-            if finding.step <= live.last_step and live.attempt_id == attempt.pk:
+            # Seen already, unless it names more ranks (a hang's culprit, once the ranks' progress settles);
+            # a restarted attempt may report the same steps again, and that is news.
+            news = finding.step > live.last_step or not set(finding.ranks) <= set(live.ranks)
+            if not news and live.attempt_id == attempt.pk:
                 return None, False
             live.attempt = attempt
             live.last_step = finding.step
@@ -124,12 +126,8 @@ def clear_stale(attempt: Attempt, latest_step: int, clear_after_steps: int) -> l
             run_id=attempt.run_id, state__in=Alert.LIVE, last_step__lte=latest_step - clear_after_steps
         ).select_for_update()
     )
-    now = timezone.now()
     for alert in stale:
-        alert.state = Alert.RESOLVED
-        alert.resolved_at = now
-        alert.resolution = f"cleared: not seen since step {alert.last_step} (through step {latest_step})"
-        alert.save(update_fields=["state", "resolved_at", "resolution"])
+        _mark_resolved(alert, f"cleared: not seen since step {alert.last_step} (through step {latest_step})")
     return stale
 
 
@@ -140,12 +138,8 @@ def resolve_cleared(attempt: Attempt, rule: str, live_keys: set[str]) -> list[Al
         for alert in Alert.objects.filter(attempt=attempt, rule=rule, state__in=Alert.LIVE).select_for_update()
         if alert.key not in live_keys
     ]
-    now = timezone.now()
     for alert in cleared:
-        alert.state = Alert.RESOLVED
-        alert.resolved_at = now
-        alert.resolution = "cleared: its condition is gone"
-        alert.save(update_fields=["state", "resolved_at", "resolution"])
+        _mark_resolved(alert, "cleared: its condition is gone")
     return cleared
 
 
@@ -162,8 +156,12 @@ def acknowledge(alert: Alert, user) -> Alert:
 def resolve(alert: Alert, user) -> Alert:
     if alert.state == Alert.RESOLVED:
         raise AlertStateError("this alert is resolved already")
+    _mark_resolved(alert, f"resolved by {user.get_username()}")
+    return alert
+
+
+def _mark_resolved(alert: Alert, resolution: str) -> None:
     alert.state = Alert.RESOLVED
     alert.resolved_at = timezone.now()
-    alert.resolution = f"resolved by {user.get_username()}"
+    alert.resolution = resolution
     alert.save(update_fields=["state", "resolved_at", "resolution"])
-    return alert

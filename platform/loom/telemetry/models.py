@@ -128,14 +128,18 @@ class RankTile(models.Model):
 
 class RankStatus(models.Model):
     """What the platform last heard from each rank of an attempt: its host (the node a heatmap
-    names), its last heartbeat and step."""
+    names), its last heartbeat and step, and how far it had got through its collectives."""
 
     attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="rank_status", db_index=False)
     rank = models.IntegerField()
     host = models.CharField(max_length=255, blank=True)
     pid = models.IntegerField(null=True)
-    last_heartbeat = models.DateTimeField(null=True)
+    last_heartbeat = models.DateTimeField(null=True, help_text="When the rank sent it, by the rank's clock.")
+    heard_at = models.DateTimeField(null=True, help_text="When the platform stored it, by the platform's clock.")
     last_step = models.BigIntegerField(null=True)
+    collectives = models.JSONField(
+        null=True, help_text="The heartbeat's collective progress (trainer/collective_progress.py); null: not recorded."
+    )
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["attempt", "rank"], name="rank_status_unique")]

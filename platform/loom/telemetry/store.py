@@ -109,7 +109,9 @@ RANK_STATUS = bulk.Table(
         ("host", "text"),
         ("pid", "int"),
         ("last_heartbeat", "timestamptz"),
+        ("heard_at", "timestamptz"),
         ("last_step", "bigint"),
+        ("collectives", "jsonb"),
     ),
 )
 
@@ -347,6 +349,8 @@ def _record_heartbeats(heartbeats: list[StoredEvent]) -> None:
         key = (event.batch.attempt_id, event.rank)
         if key not in latest or latest[key].time <= event.time:
             latest[key] = event
+    # Hangs are judged by the platform's clock: a rank's own clock may be off by any amount.
+    heard_at = _db_time(timezone.now())
     rows = [
         (
             event.batch.attempt_id,
@@ -354,7 +358,9 @@ def _record_heartbeats(heartbeats: list[StoredEvent]) -> None:
             str(event.payload.get("host") or "")[:255],
             _whole(event.payload.get("pid")),
             _db_time(event.time),
+            heard_at,
             event.step,
+            _json_or_null(event.payload.get("collectives")),
         )
         for _, event in sorted(latest.items())
     ]
@@ -363,8 +369,13 @@ def _record_heartbeats(heartbeats: list[StoredEvent]) -> None:
         RANK_STATUS,
         rows,
         "ON CONFLICT (attempt_id, rank) DO UPDATE SET host = excluded.host, pid = excluded.pid, "
-        f"last_heartbeat = excluded.last_heartbeat, last_step = COALESCE(excluded.last_step, {table}.last_step)",
+        "last_heartbeat = excluded.last_heartbeat, heard_at = excluded.heard_at, "
+        f"last_step = COALESCE(excluded.last_step, {table}.last_step), collectives = excluded.collectives",
     )
+
+
+def _json_or_null(value) -> str | None:
+    return None if value is None else json.dumps(value)
 
 
 def _apply_special(events: list[StoredEvent]) -> None:
