@@ -443,6 +443,15 @@ class AlertsConfig(_Section):
         ),
     )
     straggler_steps: int = Field(5, ge=1, le=1000, description="Consecutive slow steps that make a straggler.")
+    straggler_min_excess_s: float = Field(
+        0.05,
+        ge=0,
+        le=3600,
+        description=(
+            "A straggler's step time must also be this many seconds above the median: on steps of tens of "
+            "milliseconds a rank a few milliseconds slower (its host busy, rank 0's own logging) costs the run nothing."
+        ),
+    )
     hang_after_s: float = Field(
         120.0,
         gt=0,

@@ -145,6 +145,14 @@ def test_a_rank_slow_in_all_but_one_step_is_no_straggler_and_a_mildly_slow_one_n
     assert detectors.stragglers(step_times(range(1, 6), 8, 3, 1.3), CONFIG, str) == []
 
 
+def test_a_rank_slower_by_a_few_milliseconds_is_no_straggler_however_high_its_ratio():
+    # Steps of ~28 ms, rank 0 at 1.6× (45 ms): the score is 0.62, but 17 ms a step is below the 50 ms floor.
+    times = {step: {rank: 0.028 * (1.6 if rank == 0 else 1.0) for rank in range(4)} for step in range(1, 6)}
+    assert detectors.stragglers(times, CONFIG, str) == []
+    (finding,) = detectors.stragglers(times, AlertsConfig(straggler_min_excess_s=0.01), str)
+    assert finding.rank == 0
+
+
 def test_non_finite_reports_make_one_critical_finding_at_the_first_bad_step():
     reports = [(rank, step, "loss", 2.5) for rank in range(4) for step in (10, 11)]
     reports += [(rank, 12, "loss", "NaN") for rank in (0, 2)] + [(1, 13, "grad_norm", "Infinity")]

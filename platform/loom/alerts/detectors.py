@@ -180,9 +180,9 @@ def stragglers(
     host: Callable[[int], str],
     measure: str = "step time",
 ) -> list[Finding]:
-    """Ranks whose step time stayed above the step's median / straggler_score for the last straggler_steps
-    steps (each step with at least two ranks reporting), one finding per rank, naming its host. `measure`
-    names what the times are in the message."""
+    """Ranks whose step time stayed above the step's median / straggler_score, and straggler_min_excess_s
+    above the median, for the last straggler_steps steps (each step with at least two ranks reporting), one
+    finding per rank, naming its host. `measure` names what the times are in the message."""
     steps = sorted(step for step, times in step_times.items() if len(times) >= 2)[-config.straggler_steps :]
     if len(steps) < config.straggler_steps:
         return []
@@ -193,7 +193,8 @@ def stragglers(
         median = statistics.median(times.values())
         slow_here = set()
         for rank, seconds in times.items():
-            if seconds > 0 and median / seconds < config.straggler_score:
+            slow_enough = seconds - median >= config.straggler_min_excess_s
+            if seconds > 0 and median / seconds < config.straggler_score and slow_enough:
                 slow_here.add(rank)
                 scores.setdefault(rank, []).append(median / seconds)
         slow = slow_here if slow is None else slow & slow_here
