@@ -87,6 +87,7 @@ class RunPageFollower:
                     socket: window.loomRun.socket,
                     fetched: window.loomRun.fetched,
                     refetchCosts: window.loomRun.refetchCosts,
+                    heavyWork: window.loomRun.heavyWork,
                     notice: document.getElementById("page-notice").hidden
                         ? "" : document.getElementById("page-notice").textContent,
                 })"""

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import collections
 import json
 import math
@@ -708,6 +709,9 @@ def page_rows(page: dict, stored: dict) -> list[tuple[str, str]]:
         values = [stages[stage] for stages in page["rankStages"]]
         figures = " / ".join(f"{percentile(values, q):,.0f} ms" for q in (0.5, 0.95, 0.99))
         rows.append((f"  step-time points' {name} p50 / p95 / p99", f"{figures} over {len(values):,} points"))
+    if page["rankStages"]:
+        rows.append(("step-time points' emit → drawn p95 by 10 s", drawn_by_window(page["rankStages"])))
+        rows += behind_heavy_work(page["rankStages"], page["heavyWork"])
     rows += [
         (
             "page: websockets opened / messages / events in them",
@@ -724,6 +728,43 @@ def page_rows(page: dict, stored: dict) -> list[tuple[str, str]]:
             ),
         ),
     ]
+    return rows
+
+
+def drawn_by_window(stages: list[list[float]], window_s: float = 10.0) -> str:
+    """p95 emit → drawn of the points drawn in each window of the load: a steady tail or a few bad seconds."""
+    first = min(point[3] for point in stages)
+    windows = collections.defaultdict(list)
+    for point in stages:
+        windows[int((point[3] - first) / 1000 // window_s)].append(sum(point[:3]))
+    return ", ".join(f"{percentile(windows[index], 0.95):,.0f}" for index in sorted(windows)) + " ms"
+
+
+def behind_heavy_work(stages: list[list[float]], heavy: list[list]) -> list[tuple[str, str]]:
+    """For each heavy panel's fetch and draw, the share of the step-time points slower than the p95 whose
+    emit → drawn overlapped one, beside the share of all points that did: a tail share far above the
+    overall share says that work makes the tail."""
+    points = [(point[3] - sum(point[:3]), point[3]) for point in stages]
+    cut = percentile([drawn - emitted for emitted, drawn in points], 0.95)
+    late = [(emitted, drawn) for emitted, drawn in points if drawn - emitted > cut]
+    rows = []
+    for panel, part in sorted({(name, part) for name, part, *_ in heavy}):
+        spans = sorted((start, end) for name, kind, start, end in heavy if (name, kind) == (panel, part))
+        starts = [start for start, _ in spans]
+
+        def overlaps(emitted: float, drawn: float, spans=spans, starts=starts) -> bool:
+            index = bisect.bisect_left(starts, drawn) - 1
+            return index >= 0 and spans[index][1] > emitted
+
+        share_late = sum(overlaps(*point) for point in late) / max(1, len(late))
+        share_all = sum(overlaps(*point) for point in points) / max(1, len(points))
+        busy = sum(end - start for start, end in spans) / 1000
+        rows.append(
+            (
+                f"  points over the p95 behind a {panel} {part}",
+                f"{share_late:.0%} (all points: {share_all:.0%}); {len(spans)} of them, {busy:.1f} s in all",
+            )
+        )
     return rows
 
 

@@ -297,7 +297,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
         kept.push(now - emitted);
         if (stagesKept && delivery && typeof delivery.sent === "number") {
           const sent = delivery.sent * 1000;
-          stagesKept.push([sent - emitted, delivery.received - sent, now - delivery.received]);
+          stagesKept.push([sent - emitted, delivery.received - sent, now - delivery.received, now]);
         }
       }
       for (const list of [kept, stagesKept || []]) {
@@ -567,9 +567,17 @@ window.loomRunCharts = (page, run, requestFrame) => {
   // following: the answer covers the whole run (it was asked for without a zoom).
   const heatmap = { metric: "step_time_s", range: null, ticket: 0, answer: null, following: false };
   let heatmapTimer = null;
-  const heatmapTimes = { finishedAt: 0, tookMs: 0, drawMs: 0 };
+  const heatmapTimes = { name: "heatmap", finishedAt: 0, tookMs: 0, drawMs: 0 };
   let heatmapFetching = false;
   run.refetchCosts = { heatmap: heatmapTimes };
+  // Each heavy answer's fetch and draw as [panel, "fetch" or "draw", start, end] (epoch ms), the latest
+  // LATENCIES_KEPT: the latency benchmark tells by them which late points waited behind one.
+  run.heavyWork = [];
+
+  function noteHeavy(times, part, started) {
+    run.heavyWork.push([times.name, part, started, Date.now()]);
+    if (run.heavyWork.length > LATENCIES_KEPT) run.heavyWork.shift();
+  }
 
   // The columns one whole answer holds at most (the server's rule), and the answer to extend, if any.
   function heatmapColumns(world) {
@@ -633,6 +641,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
   function timed(times, started) {
     times.finishedAt = Date.now();
     times.tookMs = times.finishedAt - started;
+    noteHeavy(times, "fetch", started);
   }
 
   function refetchWait(times) {
@@ -694,6 +703,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
     };
     Plotly.react(elements.heatmap, [trace], layout, C.PLOT_CONFIG);
     heatmapTimes.drawMs = performance.now() - drawStarted;
+    noteHeavy(heatmapTimes, "draw", Date.now() - heatmapTimes.drawMs);
     note.textContent =
       `attempt ${answer.attempt}, ${ranks} ranks` +
       (span > 1 ? `, each cell the mean of ${span} steps` : "") +
@@ -730,7 +740,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
   const commWindowSelect = document.getElementById("comm-window");
   const commKindSelect = document.getElementById("comm-kind");
   let commTimer = null;
-  const commTimes = { finishedAt: 0, tookMs: 0, drawMs: 0 };
+  const commTimes = { name: "traffic", finishedAt: 0, tookMs: 0, drawMs: 0 };
   run.refetchCosts.comm = commTimes;
   let commDrawn = { measured: null, predicted: null };
   // What the predicted matrix on screen was drawn from: it is redrawn only when that changes (at 1,024
@@ -880,6 +890,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
       : `no prediction: ${answer.predicted_error}`;
     run.panels.comm = { attempt: answer.attempt, window: answer.window, block: answer.block, kind: comm.kind };
     commTimes.drawMs = performance.now() - drawStarted;
+    noteHeavy(commTimes, "draw", Date.now() - commTimes.drawMs);
   }
 
   function commTable(which) {

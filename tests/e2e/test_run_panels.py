@@ -299,8 +299,15 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
     # Those that came over the websocket are split into stages (one clock here: none runs backwards).
     stages = page.evaluate("window.loomRun.rankDrawStages")
     assert 1 <= len(stages) <= len(rank_latencies)
-    for to_sent, to_received, to_drawn in stages:
+    now_ms = time.time() * 1000
+    for to_sent, to_received, to_drawn, drawn_at in stages:
         assert to_sent > 0 and to_received > -1 and to_drawn >= 0
+        assert now_ms - 300_000 < drawn_at <= now_ms
+    # The heavy panels' fetches and draws are kept beside them, for the benchmark to tell what late points
+    # waited behind.
+    heavy = page.evaluate("window.loomRun.heavyWork")
+    assert {(panel, part) for panel, part, _, _ in heavy} >= {("heatmap", "fetch"), ("heatmap", "draw")}
+    assert all(now_ms - 300_000 < start <= end <= now_ms for _, _, start, end in heavy)
     # Every rank's events applied one by one after the snapshot, not replayed from it.
     page.wait_for_function(f"window.loomRun.lastSeq === {snapshot_seq + RANKS * len(live)}")
     drawn(page)

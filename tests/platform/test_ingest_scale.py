@@ -1,6 +1,7 @@
 """Ingest as the platform serves it: the ASGI endpoint with its group commit, and the tables the charts
 read (RankStep, RankTile, RankStatus) filled from the stored events."""
 
+import asyncio
 import json
 import threading
 import time
@@ -9,8 +10,9 @@ import urllib.request
 
 import pytest
 
+from loom.telemetry import writer as writer_module
 from loom.telemetry.models import Event, IngestBatch, RankStatus, RankStep, RankTile
-from loom.telemetry.store import TILE_SPANS, PendingBatch
+from loom.telemetry.store import TILE_SPANS, IngestResult, PendingBatch
 from loom.telemetry.writer import IngestWriter, WriterBusy
 
 from .helpers import BatchSender, claimed_run
@@ -173,3 +175,49 @@ def test_a_full_writer_refuses_at_once_instead_of_queueing_without_bound():
     writer = IngestWriter(max_waiting=0)
     with pytest.raises(WriterBusy):
         writer.submit(PendingBatch(1, 1, 1, 0, 0, []))
+
+
+def test_requests_on_an_event_loop_are_answered_with_one_call_into_it_per_transaction():
+    """The first transaction holds batch 0 while 19 more queue; they are written together and their 19
+    requests answered by one call into the loop. A batch that fails fails alone, as with submit()."""
+    first_started, release = threading.Event(), threading.Event()
+    transactions = []
+
+    def store(batches):
+        transactions.append([batch.seq for batch in batches])
+        if len(transactions) == 1:
+            first_started.set()
+            release.wait(10)
+        if any(batch.seq == 13 for batch in batches):
+            raise ValueError("batch 13 is refused")
+        return [IngestResult(stored=len(batch.events), duplicate=False) for batch in batches]
+
+    writer = IngestWriter(store=store)
+    batches = [PendingBatch(1, 1, 1, 0, seq, [{"seq": seq}] * (seq % 3)) for seq in range(20)]
+
+    async def post_all():
+        loop = asyncio.get_running_loop()
+        settles = []
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            if callback is writer_module._settle_on_loop:
+                settles.append(len(args[0]))
+            return call_soon_threadsafe(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        futures = [writer.submit_from_loop(batches[0])]
+        assert await asyncio.to_thread(first_started.wait, 10)
+        futures += [writer.submit_from_loop(batch) for batch in batches[1:]]
+        release.set()
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        return outcomes, settles
+
+    outcomes, settles = asyncio.run(post_all())
+    # Together (refused for batch 13), then each of the 19 alone.
+    assert transactions[:2] == [[0], list(range(1, 20))] and len(transactions) == 2 + 19
+    assert settles == [1, 19]
+    assert [outcome.stored for seq, outcome in enumerate(outcomes) if seq != 13] == [
+        seq % 3 for seq in range(20) if seq != 13
+    ]
+    assert isinstance(outcomes[13], ValueError)

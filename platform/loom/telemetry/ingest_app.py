@@ -6,7 +6,6 @@ ingest needs (token, size, JSON, schema) on the event loop, looks a token up onc
 hands the batch to the group-commit writer, answering when it is committed.
 """
 
-import asyncio
 import json
 import logging
 
@@ -48,7 +47,7 @@ async def ingest_endpoint(scope, receive, send) -> None:
         await _answer(send, 400, {"errors": field_errors(error)})
         return
     try:
-        result = await asyncio.wrap_future(writer.submit(batch))
+        result = await writer.submit_from_loop(batch)
     except WriterBusy as busy:
         await _answer(send, 503, {"detail": f"{busy}; retry"}, [(b"retry-after", b"1")])
         return
