@@ -17,14 +17,15 @@ window.loomRunCharts = (page, run, requestFrame) => {
   // The rank whose tokens/s times the data-parallel degree is the run's (the API takes the lowest
   // reporting rank's, which is rank 0 whenever it reports).
   const TOKENS_RANK = 0;
-  // Rank-level panels that are refetched rather than patched wait this long between requests.
+  // The heavy rank-level panels (the heatmap, the traffic matrix) are redrawn at most this often...
   const REFETCH_MS = 2000;
-  // ...and wait at least this many times as long as the last answer took to come and be drawn: a page on
-  // a loaded server, or of a world whose answers are large, asks less often by itself. At 1,024 ranks a
-  // heatmap's answer and redraw (256K cells) hold the page and the server for a few hundred ms, and live
-  // points arriving meanwhile wait for them: every 2 s that put p95 emit → drawn at 360 ms, against
-  // 220 ms when they come a twentieth of the time.
-  const REFETCH_BACKOFF = 20;
+  // ...and wait at least this many times as long as their last fetch and draw took: a page on a loaded
+  // server, or of a world whose answers are large, asks and redraws less often by itself. Live points
+  // arriving while a heavy chart is fetched or drawn wait for it: at 1,024 ranks a heatmap redraw holds
+  // the page's thread ~100 ms, and with redraws taking a twentieth of the time, 40–66 % of the points
+  // over the p95 emit → drawn had waited behind one (against 8–14 % of all points). At a fiftieth they
+  // no longer make the p95.
+  const REFETCH_BACKOFF = 50;
   const RANK_LINES_MAX = 32;
   const HEATMAP_CLIP = 0.99;
   // Rank × bucket cells one heatmap answer holds at most (the chart API's CELLS_MAX).
@@ -556,16 +557,20 @@ window.loomRunCharts = (page, run, requestFrame) => {
 
   // ========================= rank × step heatmap =========================
 
-  // The heatmap is fetched again rather than patched from events: an answer's columns are buckets of
-  // `span` steps (the tiles the server keeps), and live steps drawn as one-step columns beside them
-  // would give columns of different widths. While it follows the run (no zoom), a refetch asks only for
-  // its last column onwards at the span it shows: that column may have grown and new ones follow, and a
-  // 1,024-rank answer stays a few columns instead of the whole run. Once the columns outgrow what one
-  // answer may hold, the next answer is whole again, at the coarser span the server then picks. The page
-  // asks at most every REFETCH_MS while the shown attempt reports, and less often when answers are slow
-  // (REFETCH_BACKOFF).
+  // While it follows the run one step per column, the heatmap is patched from live events: at 1,024
+  // ranks a refetch took the page's server and the database 50–400 ms, every few seconds for every open
+  // page, and the points arriving meanwhile waited behind it. Its redraws keep the pace a refetch had:
+  // at most every REFETCH_MS, and less often when a redraw is slow (REFETCH_BACKOFF), as a 1,024-rank one
+  // holds the page's thread for ~100 ms.
+  // Columns of `span` > 1 steps are buckets of the tiles the server keeps, which events cannot extend (a
+  // live step drawn as a one-step column beside them would give columns of different widths): such an
+  // answer is fetched again. While it follows the run (no zoom), a refetch asks only for its last column
+  // onwards at the span it shows: that column may have grown and new ones follow, and a 1,024-rank answer
+  // stays a few columns instead of the whole run. Once the columns outgrow what one answer may hold, the
+  // next answer is whole again, at the coarser span the server then picks.
   // following: the answer covers the whole run (it was asked for without a zoom).
-  const heatmap = { metric: "step_time_s", range: null, ticket: 0, answer: null, following: false };
+  // stale: live steps arrived that the shown answer could not take.
+  const heatmap = { metric: "step_time_s", range: null, ticket: 0, answer: null, following: false, stale: false };
   let heatmapTimer = null;
   const heatmapTimes = { name: "heatmap", finishedAt: 0, tookMs: 0, drawMs: 0 };
   let heatmapFetching = false;
@@ -609,6 +614,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
   async function fetchHeatmap() {
     const ticket = (heatmap.ticket += 1);
     heatmapFetching = true;
+    beginFetch();
     const started = Date.now();
     try {
       const shown = extendable();
@@ -628,14 +634,36 @@ window.loomRunCharts = (page, run, requestFrame) => {
       }
       heatmap.answer = answer;
       heatmap.following = heatmap.range === null;
+      replay(answer.last_seq, patchHeatmap);
       showAttempt(answer.attempt, answer.ranks.length);
       dirty.add("heatmap");
       requestFrame();
       return answer.last_seq;
     } finally {
       heatmapFetching = false;
+      endFetch();
       timed(heatmapTimes, started);
     }
+  }
+
+  // A live metric event into the shown answer's cell: true when it changed the answer, false when it
+  // brings nothing to draw, null when the answer cannot take it (buckets of several steps, a zoom,
+  // another attempt, or one column more than an answer may hold).
+  function patchHeatmap(event) {
+    const shown = extendable();
+    if (!shown || shown.span !== 1 || event.attempt !== shown.attempt) return null;
+    if (event.step === null || event.rank === null || event.rank < 0 || event.rank >= shown.ranks.length) return false;
+    const raw = RANK_METRICS[heatmap.metric].value(event.payload);
+    const value = raw === undefined || raw === null ? NaN : Number(raw);
+    // The server keeps finite values only.
+    if (!Number.isFinite(value)) return false;
+    const column = sortedPosition(shown.steps, event.step);
+    if (shown.steps[column] !== event.step) {
+      shown.steps.splice(column, 0, event.step);
+      for (const row of shown.z) row.splice(column, 0, null);
+    }
+    shown.z[event.rank][column] = value;
+    return true;
   }
 
   function timed(times, started) {
@@ -649,17 +677,31 @@ window.loomRunCharts = (page, run, requestFrame) => {
     return Math.max(0, times.finishedAt + Math.max(REFETCH_MS, REFETCH_BACKOFF * cost) - Date.now());
   }
 
+  // A fetch before the next redraw: the shown answer could not take a live step.
   function scheduleHeatmap(step) {
     // A zoom the new step is outside of does not change with it.
-    if (heatmapTimer !== null || (step !== undefined && !inRange(heatmap.range, step))) return;
+    if (step !== undefined && !inRange(heatmap.range, step)) return;
+    heatmap.stale = true;
+    scheduleHeatmapUpdate();
+  }
+
+  function scheduleHeatmapUpdate() {
+    if (heatmapTimer !== null) return;
     heatmapTimer = setTimeout(() => {
       heatmapTimer = null;
       if (heatmapFetching) {
-        scheduleHeatmap();
+        scheduleHeatmapUpdate();
         return;
       }
-      if (waitUntilInView(elements.heatmap, scheduleHeatmap)) return;
-      fetchHeatmap().catch(() => scheduleHeatmap());
+      if (waitUntilInView(elements.heatmap, scheduleHeatmapUpdate)) return;
+      if (heatmap.stale) {
+        heatmap.stale = false;
+        fetchHeatmap().catch(() => scheduleHeatmap());
+        return;
+      }
+      heatmapTimes.tookMs = 0;
+      dirty.add("heatmap");
+      requestFrame();
     }, refetchWait(heatmapTimes));
   }
 
@@ -679,9 +721,10 @@ window.loomRunCharts = (page, run, requestFrame) => {
     const hosts = answer.ranks.map((rank) => new Array(answer.steps.length).fill(hostOf(answer, rank)));
     const trace = {
       type: "heatmap",
-      x: answer.steps,
+      // Copies: live steps patch the answer's arrays, and the chart must keep what it drew.
+      x: [...answer.steps],
       y: answer.ranks,
-      z: answer.z,
+      z: answer.z.map((row) => row.slice()),
       customdata: hosts,
       ...colourRange(answer.z),
       colorscale: spec.colorscale,
@@ -703,7 +746,9 @@ window.loomRunCharts = (page, run, requestFrame) => {
     };
     Plotly.react(elements.heatmap, [trace], layout, C.PLOT_CONFIG);
     heatmapTimes.drawMs = performance.now() - drawStarted;
-    noteHeavy(heatmapTimes, "draw", Date.now() - heatmapTimes.drawMs);
+    // The next redraw waits from this one, whether a fetch or live steps brought it.
+    heatmapTimes.finishedAt = Date.now();
+    noteHeavy(heatmapTimes, "draw", heatmapTimes.finishedAt - heatmapTimes.drawMs);
     note.textContent =
       `attempt ${answer.attempt}, ${ranks} ranks` +
       (span > 1 ? `, each cell the mean of ${span} steps` : "") +
@@ -1105,7 +1150,10 @@ window.loomRunCharts = (page, run, requestFrame) => {
       return;
     }
     for (const panel of Object.values(rankPanels)) applyRankEvent(panel, event);
-    if (followedAttempt(event)) scheduleHeatmap(event.step ?? undefined);
+    if (!followedAttempt(event)) return;
+    const patched = patchHeatmap(event);
+    if (patched === null) scheduleHeatmap(event.step ?? undefined);
+    else if (patched) scheduleHeatmapUpdate();
   }
 
   function applyComm(event) {
@@ -1117,9 +1165,9 @@ window.loomRunCharts = (page, run, requestFrame) => {
   // A chart out of view is not redrawn as events arrive: at 1,024 ranks a redraw takes the page's one
   // thread for 10–80 ms, and a page has ten charts. Its data keeps up; it is drawn as it comes into view
   // (a margin ahead, so a scroll finds it drawn). Each chart is drawn once wherever it is, so a page
-  // scrolled later never shows an empty one. The heatmap and the traffic matrix, which are fetched again
-  // rather than patched, are not fetched while out of view either: at 1,024 ranks an answer takes the
-  // server 250 ms to 1 s, which the run's ingest and every other page wait behind.
+  // scrolled later never shows an empty one. The traffic matrix, and the heatmap when live steps cannot
+  // patch it, are not fetched while out of view either: at 1,024 ranks an answer takes the server 50 ms
+  // to 1 s, which the run's ingest and every other page wait behind.
   const outOfView = new Set();
   const drawnOnce = new Set();
   const refetchWhenInView = new Map();

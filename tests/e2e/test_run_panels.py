@@ -320,16 +320,16 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
     assert band["min"]["y"][-1] == pytest.approx(times[0])
     assert band["median"]["y"][-1] == pytest.approx((times[7] + times[8]) / 2)
     assert band["max"]["y"][-1] == pytest.approx(step_time(SLOW_RANK, step))
-    # The heatmap is fetched again and ends with the live steps: only its last columns onwards are asked
-    # for, at the span it shows, and joined to the ones it held. The page waits 2 s between refetches, or
-    # twenty times the last one's cost: the snapshot's answer, slowed by the page's other requests, can
-    # put the next one 10 s later.
+    # The heatmap, one step per column, takes the live steps from the events and is not fetched again. It
+    # is redrawn at most every 2 s, or fifty times its last draw's cost.
     wait_for_chart(page, "rank-heatmap", f"data[0].x[data[0].x.length - 1] === {live[-1]}", timeout=30_000)
     (heat,) = chart_data(page, "rank-heatmap")
     assert heat["x"] == list(range(1, live[-1] + 1))
     assert heat["z"][SLOW_RANK][-1] == pytest.approx(step_time(SLOW_RANK, live[-1]))
-    refetches = [parse_qs(urlparse(url).query) for url in heatmap_queries]
-    assert refetches and all(query["span"] == ["1"] and int(query["start"][0]) >= STEPS - 3 for query in refetches)
+    assert [row[-len(live) :] for row in heat["z"]] == [
+        pytest.approx([step_time(rank, step) for step in live]) for rank in range(RANKS)
+    ]
+    assert heatmap_queries == []
 
     # Each rank's traffic of a new window: the matrix is fetched again and shows that window.
     assert page.evaluate("window.loomRun.panels.comm.window") == [551, 600]
@@ -400,11 +400,10 @@ def test_charts_out_of_view_wait_to_be_redrawn_until_they_come_into_view(sixteen
     assert page.evaluate("window.redraws['step-time-chart']") == 0
     assert page.evaluate("document.getElementById('step-time-chart').data[2].x.at(-1)") < live[-1]
 
-    # The heatmap below is not even fetched again: its refetch waits for it to come into view.
+    # The heatmap below takes the live steps without a fetch; its redraw waits for it to come into view.
     page.wait_for_function(
         "[...window.loomRun.waitingForView.keys()].some((chart) => chart.id === 'rank-heatmap')", timeout=30_000
     )
-    assert heatmap_queries == []
     assert page.evaluate("document.getElementById('rank-heatmap').data[0].x.at(-1)") == STEPS
 
     # Scrolled to, each is drawn with what arrived meanwhile.
@@ -413,7 +412,36 @@ def test_charts_out_of_view_wait_to_be_redrawn_until_they_come_into_view(sixteen
     assert page.evaluate("window.redraws['step-time-chart']") >= 1
     page.locator("#rank-heatmap").scroll_into_view_if_needed()
     wait_for_chart(page, "rank-heatmap", f"data[0].x[data[0].x.length - 1] === {live[-1]}")
-    assert len(heatmap_queries) == 1
+    assert heatmap_queries == []
+
+
+def test_a_heatmap_of_buckets_is_fetched_again_from_its_last_columns(sixteen_ranks, open_logged_in):
+    run, ingest = sixteen_ranks
+    # Too narrow for one column per step: each column is a bucket of the server's tiles, which live
+    # steps cannot extend.
+    page = open_logged_in(f"/runs/{run.pk}/", {"width": 560, "height": 900})
+    page.wait_for_function("window.loomRun && window.loomRun.snapshotSeq !== null", timeout=30_000)
+    wait_for_chart(page, "rank-heatmap", "data.length === 1 && data[0].z && data[0].z.length === 16")
+    span = page.evaluate("window.loomRun.panels.heatmap.span")
+    assert span > 1
+    heatmap_queries = []
+    page.on("request", lambda request: "/metrics/heatmap?" in request.url and heatmap_queries.append(request.url))
+    page.locator("#rank-heatmap").scroll_into_view_if_needed()
+
+    live = range(STEPS + 1, STEPS + 11)
+    now = time.time()
+    ingest.post_ranks(lambda rank: [metric(rank, step, now) for step in live])
+    last_bucket = live[-1] // span * span
+    wait_for_chart(page, "rank-heatmap", f"data[0].x[data[0].x.length - 1] === {last_bucket}", timeout=30_000)
+    (heat,) = chart_data(page, "rank-heatmap")
+    assert heat["x"] == list(range(0, last_bucket + 1, span))
+    in_last = [step for step in live if step >= last_bucket]
+    assert heat["z"][SLOW_RANK][-1] == pytest.approx(sum(step_time(SLOW_RANK, step) for step in in_last) / len(in_last))
+    # Only its last columns onwards are asked for, at the span it shows, and joined to the ones it held.
+    refetches = [parse_qs(urlparse(url).query) for url in heatmap_queries]
+    assert refetches and all(
+        query["span"] == [str(span)] and int(query["start"][0]) >= STEPS - 4 * span for query in refetches
+    )
 
 
 def test_zooming_asks_for_that_range_and_a_double_click_goes_back(sixteen_ranks, open_logged_in):
