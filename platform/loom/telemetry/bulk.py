@@ -9,7 +9,7 @@ conflict (new events) are copied straight into their table.
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psycopg
 from django.db import connection, transaction
@@ -41,21 +41,54 @@ def insert(table: Table, rows: Sequence[tuple], conflict: str = "", returning: s
 @contextmanager
 def staged(table: Table, rows: Sequence[tuple]) -> Iterator[str]:
     """The rows in this connection's temporary stage table for `table`, by name, for statements that read
-    them; emptied again afterwards. Inside the caller's transaction (or one of its own)."""
+    them. Inside the caller's transaction (or one of its own)."""
     stage = f"stage_{table.name}"
-    postgresql = connection.vendor == "postgresql"
-    # SQLite's columns get no declared type: its type affinity would turn JSON text like "3" into a number.
-    columns = ", ".join(f"{name} {kind}" if postgresql else name for name, kind in table.columns)
-    # A stage created by a transaction that rolls back is gone with it, so it is asked for every time.
-    create = f"CREATE TEMP TABLE IF NOT EXISTS {stage} ({columns})" + (" ON COMMIT DELETE ROWS" if postgresql else "")
-    with transaction.atomic(savepoint=False), connection.cursor() as cursor:
-        cursor.execute(create)
-        if postgresql:
+    with transaction.atomic(savepoint=False):
+        if connection.vendor == "postgresql":
+            _ready_stage(stage, table)
             _copy_rows(stage, table, rows)
-        else:
+            yield stage
+            return
+        # SQLite's columns get no declared type: its type affinity would turn JSON text like "3" into a number.
+        with connection.cursor() as cursor:
+            cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ({table.column_list})")
             _insert_values(stage, table, rows)
-        yield stage
-        cursor.execute(f"DELETE FROM {stage}")
+            yield stage
+            cursor.execute(f"DELETE FROM {stage}")
+
+
+@dataclass
+class _Stages:
+    """The stage tables one PostgreSQL connection holds, and those its open transaction has filled."""
+
+    raw: object
+    created: set[str] = field(default_factory=set)
+    filled: set[str] = field(default_factory=set)
+
+
+def _ready_stage(stage: str, table: Table) -> None:
+    """An empty stage, in as few round trips as may be: a group commit's every statement waits on the
+    database, and on a busy host each wait costs a scheduling turn. A stage is created ON COMMIT DELETE
+    ROWS the first time its connection needs it (asked for again until a commit keeps it: a rollback
+    drops a table its transaction created), and emptied only if this transaction filled it before (a
+    rollback takes back the rows of its transaction, and a commit empties it)."""
+    connection.ensure_connection()
+    stages = getattr(connection, "_loom_stages", None)
+    if stages is None or stages.raw is not connection.connection:
+        stages = connection._loom_stages = _Stages(connection.connection)
+    statements = []
+    if stage not in stages.created:
+        columns = ", ".join(f"{name} {kind}" for name, kind in table.columns)
+        statements.append(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ({columns}) ON COMMIT DELETE ROWS")
+        transaction.on_commit(lambda: stages.created.add(stage))
+    if stage in stages.filled:
+        statements.append(f"DELETE FROM {stage}")
+    else:
+        stages.filled.add(stage)
+        transaction.on_commit(lambda: stages.filled.discard(stage))
+    if statements:
+        with connection.cursor() as cursor:
+            cursor.execute("; ".join(statements))
 
 
 def insert_from(table: Table, stage: str, conflict: str = "", returning: str = "") -> list[tuple]:
