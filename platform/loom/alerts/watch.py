@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 
 WATCHED_METRICS = ("loss", "loss_mean", "grad_norm")
 IDLE_CLOSE_S = 5.0
+# Passes use at most this share of a CPU: the watcher runs beside ingest, whose requests wait while a pass
+# holds the interpreter. The pass's own CPU time counts, not its wall time, which waits on the database and,
+# on a busy host, on the CPU. A 1,024-rank pass takes tens of ms (benchmarks/alert_pass.py: 53 ms wall), so
+# passes there come every second or two; a small run's take a few ms and keep the interval.
+PASS_SHARE_MAX = 1 / 50
 
 Judge = Callable[[Attempt, list[tuple[int, int, str, object]], int], Pass]
 Report = Callable[[Attempt, Pass], None]
@@ -37,8 +42,16 @@ def _log_and_announce(attempt: Attempt, result: Pass) -> None:
 
 
 class Watcher:
-    def __init__(self, interval_s: float, judge: Judge = evaluate, report: Report = _log_and_announce):
+    def __init__(
+        self,
+        interval_s: float,
+        judge: Judge = evaluate,
+        report: Report = _log_and_announce,
+        share_max: float = PASS_SHARE_MAX,
+    ):
         self._interval_s = interval_s
+        self._share_max = share_max
+        self._last_pass_cpu_s = 0.0
         self._judge = judge
         self._report = report
         self._lock = threading.Lock()
@@ -68,6 +81,13 @@ class Watcher:
             pending, self._pending = self._pending, {}
             self._has_work.clear()
         self._last_pass = time.monotonic()
+        started_cpu = time.thread_time()
+        try:
+            self._judge_each(pending)
+        finally:
+            self._last_pass_cpu_s = time.thread_time() - started_cpu
+
+    def _judge_each(self, pending: dict[int, list[tuple[int, int, str, object]]]) -> None:
         for attempt_id, reports in pending.items():
             try:
                 attempt = Attempt.objects.get(pk=attempt_id)
@@ -85,7 +105,8 @@ class Watcher:
             if not self._has_work.wait(timeout=IDLE_CLOSE_S):
                 connection.close()
                 continue
-            delay = self._last_pass + self._interval_s - time.monotonic()
+            spacing = max(self._interval_s, self._last_pass_cpu_s / self._share_max)
+            delay = self._last_pass + spacing - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
             self.judge_pending()
