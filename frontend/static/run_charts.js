@@ -584,17 +584,22 @@ window.loomRunCharts = (page, run, requestFrame) => {
     if (run.heavyWork.length > LATENCIES_KEPT) run.heavyWork.shift();
   }
 
-  // The columns one whole answer holds at most (the server's rule), and the answer to extend, if any.
+  // The columns one whole answer holds at most (the server's rule); the answer that follows the run with
+  // room for more columns, if any; and that answer if it has columns to extend by a refetch.
   function heatmapColumns(world) {
     return Math.max(1, Math.min(C.plotWidth(elements.heatmap), Math.floor(HEATMAP_CELLS_MAX / Math.max(1, world))));
   }
 
-  function extendable() {
+  function followingAnswer() {
     const shown = heatmap.answer;
-    if (!shown || !heatmap.following || heatmap.range !== null) return null;
-    if (!shown.steps.length || shown.metric !== heatmap.metric) return null;
+    if (!shown || !heatmap.following || heatmap.range !== null || shown.metric !== heatmap.metric) return null;
     if (chosenAttempt !== null && shown.attempt !== chosenAttempt) return null;
     return shown.steps.length < heatmapColumns(shown.ranks.length) ? shown : null;
+  }
+
+  function extendable() {
+    const shown = followingAnswer();
+    return shown && shown.steps.length ? shown : null;
   }
 
   // The shown answer with its last column onwards replaced by the tail's; null when the tail does not fit
@@ -650,7 +655,8 @@ window.loomRunCharts = (page, run, requestFrame) => {
   // brings nothing to draw, null when the answer cannot take it (buckets of several steps, a zoom,
   // another attempt, or one column more than an answer may hold).
   function patchHeatmap(event) {
-    const shown = extendable();
+    // An answer with no steps yet (a page opened before the run's first step) takes them too.
+    const shown = followingAnswer();
     if (!shown || shown.span !== 1 || event.attempt !== shown.attempt) return null;
     if (event.step === null || event.rank === null || event.rank < 0 || event.rank >= shown.ranks.length) return false;
     const raw = RANK_METRICS[heatmap.metric].value(event.payload);

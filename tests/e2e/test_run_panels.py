@@ -415,6 +415,31 @@ def test_charts_out_of_view_wait_to_be_redrawn_until_they_come_into_view(sixteen
     assert heatmap_queries == []
 
 
+@pytest.fixture
+def no_step_yet(platform_user, platform_server):
+    """A 16-rank run whose launcher reported it running, and no rank a step. Returns (run, Ingest)."""
+    run, attempt, token = claimed_run(platform_user[0], "no step yet", SIXTEEN_RANKS)
+    ingest = Ingest(f"{platform_server.url}/api/ingest", attempt, token)
+    ingest.post(-1, [launcher_running(attempt, time.time())])
+    return run, ingest
+
+
+def test_a_page_opened_before_the_first_step_builds_its_heatmap_from_live_steps(no_step_yet, open_logged_in):
+    run, ingest = no_step_yet
+    start = time.time()
+    page = open_run(open_logged_in, run.pk)
+    page.wait_for_function("window.loomRun.panels.heatmap && window.loomRun.panels.heatmap.steps === 0")
+    heatmap_queries = []
+    page.on("request", lambda request: "/metrics/heatmap?" in request.url and heatmap_queries.append(request.url))
+
+    train(ingest, range(1, 4), start)
+    wait_for_chart(page, "rank-heatmap", "data[0].x.length === 3", timeout=30_000)
+    (heat,) = chart_data(page, "rank-heatmap")
+    assert heat["x"] == [1, 2, 3]
+    assert heat["z"][SLOW_RANK] == pytest.approx([step_time(SLOW_RANK, step) for step in (1, 2, 3)])
+    assert heatmap_queries == []
+
+
 def test_a_heatmap_of_buckets_is_fetched_again_from_its_last_columns(sixteen_ranks, open_logged_in):
     run, ingest = sixteen_ranks
     # Too narrow for one column per step: each column is a bucket of the server's tiles, which live
