@@ -68,7 +68,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -619,11 +619,17 @@ async def one_request_at_a_time(load: Load, rank: Rank) -> dict:
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
-def latency_by_window(stats: Stats, window_s: float = 10.0) -> str:
+def p95_by_window(samples: Iterable[tuple[float, float]], window_s: float = 10.0) -> list[float]:
+    """The p95 of the values in each window of the load, from (value, seconds into the load) pairs."""
     windows = collections.defaultdict(list)
-    for latency, end in zip(stats.latencies, stats.latency_ends, strict=True):
-        windows[int(end // window_s)].append(latency)
-    return ", ".join(f"{percentile(windows[index], 0.95) * 1000:,.0f}" for index in sorted(windows)) + " ms"
+    for value, at_s in samples:
+        windows[int(at_s // window_s)].append(value)
+    return [percentile(windows[index], 0.95) for index in sorted(windows)]
+
+
+def latency_by_window(stats: Stats) -> str:
+    p95s = p95_by_window(zip(stats.latencies, stats.latency_ends, strict=True))
+    return ", ".join(f"{p95 * 1000:,.0f}" for p95 in p95s) + " ms"
 
 
 def rate(count: float, seconds: float) -> str:
@@ -731,13 +737,11 @@ def page_rows(page: dict, stored: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def drawn_by_window(stages: list[list[float]], window_s: float = 10.0) -> str:
+def drawn_by_window(stages: list[list[float]]) -> str:
     """p95 emit → drawn of the points drawn in each window of the load: a steady tail or a few bad seconds."""
     first = min(point[3] for point in stages)
-    windows = collections.defaultdict(list)
-    for point in stages:
-        windows[int((point[3] - first) / 1000 // window_s)].append(sum(point[:3]))
-    return ", ".join(f"{percentile(windows[index], 0.95):,.0f}" for index in sorted(windows)) + " ms"
+    p95s = p95_by_window((sum(point[:3]), (point[3] - first) / 1000) for point in stages)
+    return ", ".join(f"{p95:,.0f}" for p95 in p95s) + " ms"
 
 
 def behind_heavy_work(stages: list[list[float]], heavy: list[list]) -> list[tuple[str, str]]:

@@ -381,12 +381,17 @@ window.loomRunCharts = (page, run, requestFrame) => {
     }
   }
 
+  // The event's value of a per-rank metric; null when it has none (the server keeps finite values only).
+  function rankValue(metric, event) {
+    const raw = RANK_METRICS[metric].value(event.payload);
+    const value = raw === undefined || raw === null ? NaN : Number(raw);
+    return Number.isFinite(value) ? value : null;
+  }
+
   function applyRankEvent(panel, event) {
     if (event.attempt !== panel.attempt || event.step === null || event.rank === null || event.rank < 0) return;
-    const raw = RANK_METRICS[panel.metric].value(event.payload);
-    if (raw === undefined || raw === null) return;
-    const value = Number(raw);
-    if (!Number.isFinite(value)) return;
+    const value = rankValue(panel.metric, event);
+    if (value === null) return;
     const changed =
       panel.mode === "lines"
         ? addLinePoint(panel, event.rank, event.step, value)
@@ -659,10 +664,8 @@ window.loomRunCharts = (page, run, requestFrame) => {
     const shown = followingAnswer();
     if (!shown || shown.span !== 1 || event.attempt !== shown.attempt) return null;
     if (event.step === null || event.rank === null || event.rank < 0 || event.rank >= shown.ranks.length) return false;
-    const raw = RANK_METRICS[heatmap.metric].value(event.payload);
-    const value = raw === undefined || raw === null ? NaN : Number(raw);
-    // The server keeps finite values only.
-    if (!Number.isFinite(value)) return false;
+    const value = rankValue(heatmap.metric, event);
+    if (value === null) return false;
     const column = sortedPosition(shown.steps, event.step);
     if (shown.steps[column] !== event.step) {
       shown.steps.splice(column, 0, event.step);
