@@ -1,3 +1,4 @@
+import gc
 import os
 
 from django.core.asgi import get_asgi_application
@@ -30,3 +31,9 @@ application = ProtocolTypeRouter(
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(run_sockets + alert_sockets))),
     }
 )
+
+# Django, the apps and their imports are objects that live as long as the process. Frozen, the cyclic
+# collector stops walking them in each full collection: at a thousand ingest requests a second those walks
+# had stalled the event loop and the group commit for 70-180 ms every few seconds.
+gc.collect()
+gc.freeze()

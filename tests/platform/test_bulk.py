@@ -1,12 +1,21 @@
 """The stage tables ingest's bulk writes go through: a use sees only its own rows, whatever the
 transactions before it did, and on PostgreSQL a stage costs no statements of its own once it exists."""
 
+import tempfile
+import time
+from unittest import mock
+
 import pytest
 from django.db import connection, transaction
 
-from loom.telemetry import bulk
+from loom.telemetry import bulk, store
+from loom.telemetry.models import RankStep
+from loom.telemetry.services import AttemptRef, pending_batch
+
+from .helpers import claimed_run
 
 PROBE = bulk.Table("telemetry_probe", (("value", "bigint"),))
+MEASURES = bulk.Table("telemetry_measures", (("value", "float8"),))
 
 
 def staged_values(rows: list[tuple]) -> list[int]:
@@ -49,3 +58,54 @@ def test_once_a_stage_exists_a_use_adds_no_statement_of_its_own_on_postgresql():
     housekeeping = [sql for sql in statements if sql.startswith(("CREATE TEMP", "DELETE FROM stage_"))]
     # PostgreSQL creates it once per connection and empties it at each commit; SQLite is asked each time.
     assert len(housekeeping) == (0 if connection.vendor == "postgresql" else 2)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_float_column_takes_whole_numbers_among_its_values():
+    with transaction.atomic(), bulk.staged(MEASURES, [(1,), (2.5,), (None,)]) as stage, connection.cursor() as cursor:
+        cursor.execute(f"SELECT value FROM {stage} ORDER BY value NULLS LAST")
+        assert [value for (value,) in cursor.fetchall()] == [1.0, 2.5, None]
+
+
+def rank_batches(attempt, count: int, seq: int) -> list[store.PendingBatch]:
+    """`count` ranks' batches number `seq` as a trainer sends them: two steps' metrics and heartbeats, and
+    a comm row."""
+    ref = AttemptRef(attempt.pk, attempt.number, attempt.run_id)
+    batches = []
+    for rank in range(count):
+        events = []
+        for step in (2 * seq + 1, 2 * seq + 2):
+            events.append({"kind": "metric", "time": time.time(), "step": step, "payload": {"step_time_s": 0.5}})
+            events.append({"kind": "heartbeat", "time": time.time(), "step": step, "payload": {"host": "node-0"}})
+        events.append({"kind": "comm", "time": time.time(), "step": step, "payload": {"sends": {"1": {"bytes": 8}}}})
+        batches.append(pending_batch(ref, rank, seq, events))
+    return batches
+
+
+def answers_waited_for(write) -> int:
+    """How many times `write` waited on PostgreSQL for an answer: each Sync the server answers with
+    ReadyForQuery, read from libpq's own trace of the protocol."""
+    connection.ensure_connection()
+    pgconn = connection.connection.pgconn
+    with tempfile.TemporaryFile(mode="w+") as trace:
+        pgconn.trace(trace.fileno())
+        try:
+            write()
+        finally:
+            pgconn.untrace()
+        trace.seek(0)
+        return sum(1 for line in trace if "\tReadyForQuery" in line)
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="pipelining is PostgreSQL's; SQLite has no round trips")
+@pytest.mark.django_db(transaction=True)
+def test_a_group_commit_waits_on_postgresql_only_for_the_answers_it_needs(platform_user):
+    """The keys it claimed, the seq numbers it took, the end of its pipeline and its commit (and the
+    BEGIN psycopg answers first): not once per statement, and not more for more batches."""
+    run, attempt, _ = claimed_run(platform_user[0])
+    small, large = rank_batches(attempt, 3, seq=0), rank_batches(attempt, 40, seq=1)
+    with mock.patch.object(store, "publish"):
+        waits = [answers_waited_for(lambda batches=batches: store.store_batches(batches)) for batches in (small, large)]
+    assert waits[0] == waits[1] <= 5
+    assert run.events.filter(rank__gte=0).count() == 43 * 5
+    assert RankStep.objects.filter(attempt=attempt).count() == 43 * 2

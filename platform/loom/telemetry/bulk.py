@@ -1,14 +1,18 @@
 """Bulk writes for ingest: each table's rows of a group commit in a fixed number of statements.
 
-Rows are first put in a temporary stage table of the connection (COPY on PostgreSQL, whose rows psycopg
-formats in C; multi-row VALUES on SQLite, the embedded default) and then moved by one INSERT … SELECT,
-which may resolve conflicts, return keys, or aggregate (the heatmap tiles): the statement text never
-depends on the number of rows, and no value passes through Python's own formatting. Rows that cannot
-conflict (new events) are copied straight into their table.
+On PostgreSQL a table's rows travel as one array per column, unnested by one INSERT … SELECT that may
+resolve conflicts or return keys, so the statement text never depends on the number of rows and no value
+passes through Python's own formatting. Inside `pipelined()` those statements are sent without waiting
+for each one's answer: a group commit waits on the database only where it needs an answer (the keys it
+claimed, the seq numbers it took) and at the commit, instead of once per statement. On a host whose
+cores are busy, every wait costs a scheduling turn of the database and of this thread.
+
+Rows that several statements read (the rank steps, which also feed the heatmap tiles) go once into a
+temporary stage table of the connection. SQLite, the embedded default, takes multi-row VALUES.
 """
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import psycopg
@@ -34,8 +38,19 @@ def insert(table: Table, rows: Sequence[tuple], conflict: str = "", returning: s
     `returning` (columns to answer with); the returned rows, in no particular order."""
     if not rows:
         return []
+    if connection.vendor == "postgresql":
+        return _insert_arrays(table.name, table, rows, _tail(conflict, returning), bool(returning))
     with staged(table, rows) as stage:
         return insert_from(table, stage, conflict, returning)
+
+
+def pipelined():
+    """A context in which PostgreSQL statements are sent at once and their answers read only when a
+    caller asks for one (fetch) or the context ends; raises there what any of them raised."""
+    if connection.vendor != "postgresql":
+        return nullcontext()
+    connection.ensure_connection()
+    return connection.connection.pipeline()
 
 
 @contextmanager
@@ -46,7 +61,7 @@ def staged(table: Table, rows: Sequence[tuple]) -> Iterator[str]:
     with transaction.atomic(savepoint=False):
         if connection.vendor == "postgresql":
             _ready_stage(stage, table)
-            _copy_rows(stage, table, rows)
+            _insert_arrays(stage, table, rows)
             yield stage
             return
         # SQLite's columns get no declared type: its type affinity would turn JSON text like "3" into a number.
@@ -86,38 +101,56 @@ def _ready_stage(stage: str, table: Table) -> None:
     else:
         stages.filled.add(stage)
         transaction.on_commit(lambda: stages.filled.discard(stage))
-    if statements:
-        with connection.cursor() as cursor:
-            cursor.execute("; ".join(statements))
+    # One statement per execute: a pipeline takes no multi-statement strings.
+    with connection.cursor() as cursor:
+        for statement in statements:
+            cursor.execute(statement)
 
 
 def insert_from(table: Table, stage: str, conflict: str = "", returning: str = "") -> list[tuple]:
     """INSERT every staged row into `table`, as insert() does."""
-    tail = f" {conflict}" if conflict else ""
-    tail += f" RETURNING {returning}" if returning else ""
     with connection.cursor() as cursor:
         # WHERE true: SQLite would otherwise read ON CONFLICT as the start of a join constraint.
         cursor.execute(
-            f"INSERT INTO {table.name} ({table.column_list}) SELECT {table.column_list} FROM {stage} WHERE true{tail}"
+            f"INSERT INTO {table.name} ({table.column_list}) SELECT {table.column_list} FROM {stage} "
+            f"WHERE true{_tail(conflict, returning)}"
         )
         return [tuple(row) for row in cursor.fetchall()] if returning else []
 
 
-def copy(table: Table, rows: Sequence[tuple]) -> None:
-    """Append rows no constraint can refuse; COPY on PostgreSQL."""
+def _tail(conflict: str, returning: str) -> str:
+    return (f" {conflict}" if conflict else "") + (f" RETURNING {returning}" if returning else "")
+
+
+def append(table: Table, rows: Sequence[tuple]) -> None:
+    """Add rows no constraint can refuse."""
+    if not rows:
+        return
     if connection.vendor != "postgresql":
         _insert_values(table.name, table, rows)
         return
-    _copy_rows(table.name, table, rows)
+    _insert_arrays(table.name, table, rows)
 
 
-def _copy_rows(target: str, table: Table, rows: Sequence[tuple]) -> None:
+def _insert_arrays(target: str, table: Table, rows: Sequence[tuple], tail: str = "", answer: bool = False):
+    """The rows as one array per column, unnested into `target`; the returned rows when `answer`."""
     connection.ensure_connection()
-    # A cursor of Django's connection, so in its transaction: Django's own cursors have no COPY.
+    arrays = ", ".join(f"%b::{kind}[]" for _, kind in table.columns)
+    columns = [_typed(kind, column) for (_, kind), column in zip(table.columns, zip(*rows, strict=True), strict=True)]
+    # A cursor of Django's connection, so in its transaction and its pipeline, binding on the server.
     with psycopg.Cursor(connection.connection) as cursor:
-        with cursor.copy(f"COPY {target} ({table.column_list}) FROM STDIN") as out:
-            for row in rows:
-                out.write_row(row)
+        cursor.execute(
+            f"INSERT INTO {target} ({table.column_list}) SELECT * FROM unnest({arrays}) WHERE true{tail}", columns
+        )
+        return [tuple(row) for row in cursor.fetchall()] if answer else []
+
+
+def _typed(kind: str, values: tuple) -> list:
+    """A column's values as one array: psycopg dumps a list of one Python type only, and a float column
+    may be handed a whole number."""
+    if kind == "float8":
+        return [value if value is None else float(value) for value in values]
+    return list(values)
 
 
 def _insert_values(target: str, table: Table, rows: Sequence[tuple]) -> None:

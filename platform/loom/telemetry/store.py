@@ -141,10 +141,11 @@ class IngestResult:
 def store_batches(batches: list[PendingBatch]) -> list[IngestResult]:
     """Store every batch not stored before, all or nothing; answers in the order given."""
     with transaction.atomic():
-        fresh = _claim(batches)
-        new = [batch for batch, is_new in zip(batches, fresh, strict=True) if is_new]
-        events = _append(new)
-        _project(events)
+        with bulk.pipelined():
+            fresh = _claim(batches)
+            new = [batch for batch, is_new in zip(batches, fresh, strict=True) if is_new]
+            events = _append(new)
+            _project(events)
         _apply_special(events)
         metrics = [
             (event.batch.attempt_id, event.rank, event.step, event.payload)
@@ -242,7 +243,7 @@ def _append(batches: list[PendingBatch]) -> list[StoredEvent]:
         )
         for event in stored
     ]
-    bulk.copy(EVENTS, rows)
+    bulk.append(EVENTS, rows)
     wire_by_run: dict[int, list[dict]] = defaultdict(list)
     for event in stored:
         wire_by_run[event.batch.run_id].append(event.wire())
