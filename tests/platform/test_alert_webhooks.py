@@ -63,15 +63,21 @@ def worker(platform_server):
         yield platform_server
 
 
+@pytest.fixture
+def claimed_runs(platform_user, other_user):
+    """A run of each user, claimed by hand before the worker starts: a worker already running takes the
+    run's launch from the queue and may claim the attempt first. Its launch then finds nothing to do."""
+    return claimed_run(platform_user[0]), claimed_run(other_user, "theirs")
+
+
 @pytest.mark.django_db(transaction=True)
 def test_an_alert_is_posted_to_each_webhook_retried_and_failures_are_kept(
-    worker, platform_user, other_user, receiver, client, token_for, settings
+    claimed_runs, worker, platform_user, other_user, receiver, client, token_for, settings
 ):
     settings.LOOM_WEBHOOK_TRIES = 3
     settings.LOOM_WEBHOOK_RETRY_BASE_S = 0.2
     user = platform_user[0]
-    run, attempt, token = claimed_run(user)
-    _, theirs, _ = claimed_run(other_user, "theirs")
+    (run, attempt, token), (_, theirs, _) = claimed_runs
     api_token = token_for(user)
 
     # Field-level errors, nothing saved.
