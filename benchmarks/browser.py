@@ -82,6 +82,7 @@ class RunPageFollower:
                 """({
                     loss: window.loomRun.drawLatencies,
                     ranks: window.loomRun.rankDrawLatencies,
+                    memory: window.loomRun.memoryDrawLatencies,
                     rankStages: window.loomRun.rankDrawStages,
                     lastSeq: window.loomRun.lastSeq,
                     socket: window.loomRun.socket,

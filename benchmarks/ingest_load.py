@@ -34,8 +34,8 @@ With `--follow`, a user's headless Chromium (benchmarks/browser.py) has the run 
 scrolled to its Ranks section (per-rank step time and memory; the page redraws only the charts in view),
 and the page's own measurements are reported: for each point it drew from a live event, the time from the
 event's emit (its `time`: here the moment its batch was cut and sent, so no flush wait is in it) to the
-frame that drew it, for the loss chart (a step's first report) and for the step-time band (every rank's
-point), with the websocket messages it received and the gaps it had to resync.
+frame that drew it, for the loss chart (a step's first report) and for the step-time and memory bands
+(every rank's point), with the websocket messages it received and the gaps it had to resync.
 
 With `--ingest-process` the ranks post to a second web process (the same application on a port of its own),
 so ingest shares its GIL and event loop with neither the page's websocket nor its chart requests; stored
@@ -707,7 +707,12 @@ def page_rows(page: dict, stored: dict) -> list[tuple[str, str]]:
     """What the page following the run drew, and how long each point took from its rank to the screen."""
     socket, fetched = page["socket"], page["fetched"]
     rows = []
-    for name, values in (("loss points (a step's first report)", page["loss"]), ("step-time points", page["ranks"])):
+    drawn_points = (
+        ("loss points (a step's first report)", page["loss"]),
+        ("step-time points", page["ranks"]),
+        ("memory points", page["memory"]),
+    )
+    for name, values in drawn_points:
         figures = " / ".join(f"{percentile(values, q):,.0f} ms" for q in (0.5, 0.95, 0.99))
         drawn = f"{figures} over {len(values):,} points" if values else "none drawn live: the chart was out of view"
         rows.append((f"emit → drawn p50 / p95 / p99, {name}", drawn))

@@ -93,9 +93,11 @@ window.loomRunCharts = (page, run, requestFrame) => {
   // ---- what the page shows, exposed on window.loomRun for the tests ----
 
   run.series = Object.fromEntries(Object.keys(SERIES).map((key) => [key, {}]));
-  // Emit → on screen, ms: of each loss point (a step's first report) and of every rank's step-time point.
+  // Emit → on screen, ms: of each loss point (a step's first report) and of every rank's step-time and
+  // memory point.
   run.drawLatencies = [];
   run.rankDrawLatencies = [];
+  run.memoryDrawLatencies = [];
   // Of the step-time points that came over the websocket, ms: emit → sent by the platform (ingest,
   // commit, coalescing), sent → received by the page, received → on screen.
   run.rankDrawStages = [];
@@ -397,7 +399,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
         ? addLinePoint(panel, event.rank, event.step, value)
         : addBandPoint(panel, event.rank, event.step, value);
     if (changed) {
-      if (panel.metric === "step_time_s") panel.latencyPending.push(pendingPoint(event));
+      panel.latencyPending.push(pendingPoint(event));
       dirty.add(panel);
       requestFrame();
     }
@@ -539,7 +541,11 @@ window.loomRunCharts = (page, run, requestFrame) => {
       lineLayout(RANK_METRICS[panel.metric].axis, hasPoints ? "" : "no steps yet", RANK_METRICS[panel.metric]),
       C.PLOT_CONFIG,
     );
-    keepLatencies(drawing, panel.latencyPending, run.rankDrawLatencies, run.rankDrawStages);
+    if (panel.metric === "step_time_s") {
+      keepLatencies(drawing, panel.latencyPending, run.rankDrawLatencies, run.rankDrawStages);
+    } else {
+      keepLatencies(drawing, panel.latencyPending, run.memoryDrawLatencies, null);
+    }
     panel.latencyPending = [];
     run.panels.ranks[panel.metric] = { attempt: panel.attempt, span: panel.span, mode: panel.mode };
   }

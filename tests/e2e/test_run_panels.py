@@ -275,6 +275,7 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
     wait_for_chart(page, "loss-chart", f"data.length === 1 && data[0].x.length === {STEPS}")
     assert page.evaluate("window.loomRun.drawLatencies") == []
     assert page.evaluate("window.loomRun.rankDrawLatencies") == []
+    assert page.evaluate("window.loomRun.memoryDrawLatencies") == []
     snapshot_seq = page.evaluate("window.loomRun.snapshotSeq")
 
     # The next ten steps of every rank, as each rank's next batch.
@@ -296,6 +297,11 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
     rank_latencies = page.evaluate("window.loomRun.rankDrawLatencies")
     assert RANKS * past_last_bucket <= len(rank_latencies) <= RANKS * len(live)
     assert all(0 < latency < 30_000 for latency in rank_latencies)
+    # The memory band's points the same way: every rank's memory differs at every step.
+    page.wait_for_function(f"window.loomRun.memoryDrawLatencies.length >= {RANKS * past_last_bucket}")
+    memory_latencies = page.evaluate("window.loomRun.memoryDrawLatencies")
+    assert RANKS * past_last_bucket <= len(memory_latencies) <= RANKS * len(live)
+    assert all(0 < latency < 30_000 for latency in memory_latencies)
     # Those that came over the websocket are split into stages (one clock here: none runs backwards).
     stages = page.evaluate("window.loomRun.rankDrawStages")
     assert 1 <= len(stages) <= len(rank_latencies)
