@@ -277,6 +277,8 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
     assert page.evaluate("window.loomRun.rankDrawLatencies") == []
     assert page.evaluate("window.loomRun.memoryDrawLatencies") == []
     snapshot_seq = page.evaluate("window.loomRun.snapshotSeq")
+    # Posted before the socket is open, the steps would all come by the page's catch-up from the events API.
+    page.wait_for_function("window.loomRun.socket.opened >= 1")
 
     # The next ten steps of every rank, as each rank's next batch.
     now = time.time()
