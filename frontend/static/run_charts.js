@@ -262,13 +262,18 @@ window.loomRunCharts = (page, run, requestFrame) => {
   }
 
   // A fresh layout each time; uirevision keeps a zoom the user chose across redraws.
-  function lineLayout(axisTitle, empty, extra = {}) {
+  // Tick labels sit inside the margins: Plotly's default check that none overflows the chart measures
+  // each label's box on every redraw, a forced layout of the page that was a fifth of a live band's draw.
+  const TICKS = { ticklabeloverflow: "allow" };
+
+  // `legend`: false for the bands, whose note names their lines (its layout is measured on every draw).
+  function lineLayout(axisTitle, empty, extra = {}, legend = true) {
     return {
       margin: C.MARGIN,
-      xaxis: { title: { text: "step" } },
-      yaxis: { title: { text: axisTitle }, ...(extra.yaxis || {}) },
+      xaxis: { title: { text: "step" }, ...TICKS },
+      yaxis: { title: { text: axisTitle }, ...TICKS, ...(extra.yaxis || {}) },
       legend: { orientation: "h", y: -0.25 },
-      showlegend: true,
+      showlegend: legend,
       uirevision: "keep-zoom",
       annotations: empty
         ? [{ text: empty, showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5, font: { color: "#5f6b7a" } }]
@@ -533,12 +538,17 @@ window.loomRunCharts = (page, run, requestFrame) => {
     const hasPoints = traces.some((trace) => trace.x.length);
     const note = document.getElementById(`${RANK_METRICS[panel.metric].element}-note`);
     const resolution = panel.span > 1 ? `${panel.span} steps per point` : "";
-    const band = `min, median and max over ${worldSize} ranks${resolution && `, ${resolution}`}`;
+    const band = `shaded from min to max over ${worldSize} ranks, the dark line their median${resolution && `, ${resolution}`}`;
     note.textContent = panel.mode === "band" ? `${band}; pick ranks to see them as lines` : resolution;
     const drawing = Plotly.react(
       elements[panel.metric],
       traces,
-      lineLayout(RANK_METRICS[panel.metric].axis, hasPoints ? "" : "no steps yet", RANK_METRICS[panel.metric]),
+      lineLayout(
+        RANK_METRICS[panel.metric].axis,
+        hasPoints ? "" : "no steps yet",
+        RANK_METRICS[panel.metric],
+        panel.mode !== "band",
+      ),
       C.PLOT_CONFIG,
     );
     if (panel.metric === "step_time_s") {
@@ -755,8 +765,8 @@ window.loomRunCharts = (page, run, requestFrame) => {
     const layout = {
       height,
       margin: { ...C.MARGIN, r: 8 },
-      xaxis: { title: { text: "step" } },
-      yaxis: { title: { text: "rank" }, autorange: "reversed", dtick: Math.max(1, Math.ceil(ranks / 16)) },
+      xaxis: { title: { text: "step" }, ...TICKS },
+      yaxis: { title: { text: "rank" }, autorange: "reversed", dtick: Math.max(1, Math.ceil(ranks / 16)), ...TICKS },
       uirevision: `${heatmap.metric}-${answer.attempt}`,
     };
     Plotly.react(elements.heatmap, [trace], layout, C.PLOT_CONFIG);

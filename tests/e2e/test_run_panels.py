@@ -243,6 +243,9 @@ def test_a_sixteen_rank_run_shows_every_rank_a_straggler_and_its_traffic(sixteen
     assert band["max"]["x"][spike_index] <= SPIKE[1] < band["max"]["x"][spike_index] + span
     assert max(band["median"]["y"]) < 1.2
     assert page.evaluate("window.loomRun.panels.ranks.memory_bytes.mode") == "band"
+    # A band's note names its lines instead of a legend, which Plotly would lay out again on every draw.
+    expect(page.locator("#step-time-chart-note")).to_contain_text("shaded from min to max over 16 ranks")
+    assert page.locator("#step-time-chart .legend").count() == 0
 
     # Traffic: measured rank × rank beside the planner's prediction; the hover names the kind.
     wait_for_chart(page, "comm-measured-chart", "data.length === 1")
@@ -517,6 +520,8 @@ def test_picked_ranks_are_drawn_as_lines(sixteen_ranks, open_logged_in):
     wait_for_chart(page, "step-time-chart", "data.length === 2 && data[0].name === 'rank 0'")
     lines = {trace["name"]: trace for trace in chart_data(page, "step-time-chart")}
     assert set(lines) == {"rank 0", "rank 5"}
+    # Lines are told apart by their legend.
+    expect(page.locator("#step-time-chart .legend")).to_contain_text("rank 5")
     assert min(lines["rank 5"]["y"]) > max(lines["rank 0"]["y"])
     wait_for_chart(page, "memory-chart", "data.length === 2")
 
