@@ -216,6 +216,12 @@ def test_a_sixteen_rank_run_shows_every_rank_a_straggler_and_its_traffic(sixteen
     row_means = [sum(value for value in row if value is not None) / len(row) for row in heat["z"]]
     assert max(range(RANKS), key=row_means.__getitem__) == SLOW_RANK
     assert row_means[SLOW_RANK] > 1.8 and sorted(row_means)[-2] < 1.2
+    # Its colours span the lowest cell to the 99th percentile: the one spiking step is above the scale
+    # (drawn darkest) instead of taking it, which would leave the slow rank's stripe faint.
+    cells = sorted(value for row in heat["z"] for value in row if value is not None)
+    scale = page.evaluate("(({zmin, zmax}) => [zmin, zmax])(document.getElementById('rank-heatmap').data[0])")
+    assert scale == [cells[0], cells[int(len(cells) * 0.99)]]
+    assert SPIKE[2] in cells and scale[1] < SPIKE[2]
     page.locator("#rank-heatmap").scroll_into_view_if_needed()
     text = hover_text(page, "rank-heatmap", 300, SLOW_RANK)
     assert f"rank {SLOW_RANK} on {host_of(SLOW_RANK)}" in text and "step 300" in text
