@@ -4,6 +4,8 @@ and the communication matrix, built from events stored through the real ingest s
 import random
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from loom.telemetry.downsample import bucket_width, min_max
 
@@ -141,6 +143,45 @@ def test_comm_matrix_per_step_with_kinds_beside_the_prediction(client, platform_
     assert both["steps"] == 10 and both["measured"]["bytes"][2][3] == 260
     predicted = answer["predicted"]
     assert predicted["kind"][0][1] == "tp" and predicted["kind"][0][2] == "dp" and predicted["bytes"][0][3] == 0
+
+
+def rows_read(plan: dict) -> int:
+    """Rows the scans of an EXPLAIN ANALYZE plan read from telemetry_event, over all their loops."""
+    own = plan["Actual Rows"] * plan["Actual Loops"] if plan.get("Relation Name") == "telemetry_event" else 0
+    return own + sum(rows_read(child) for child in plan.get("Plans", []))
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="reads a PostgreSQL plan; SQLite has no EXPLAIN ANALYZE")
+def test_listing_the_traffic_windows_reads_one_ranks_comm_events_not_every_ranks(client, platform_user):
+    """At 1,024 ranks × 10,000 steps an attempt holds a million comm events; the traffic panel lists the
+    windows from the lowest rank's alone (it read all of them: a second per answer)."""
+    user = platform_user[0]
+    run, attempt, _ = claimed_run(user, config=world_config(64))
+    windows, ranks = 300, 64
+    # By SQL: the ingest path would take a minute for 19,200 events. ANALYZE as autovacuum would.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """INSERT INTO telemetry_event (run_id, seq, attempt_id, kind, rank, step, payload, time, received_at)
+               SELECT %s, 1000 + w * %s + r, %s, 'comm', r, w * 10,
+                   jsonb_build_object('rank', r, 'window', jsonb_build_array(w * 10 - 9, w * 10), 'sends', '[]'::jsonb),
+                   now(), now()
+               FROM generate_series(1, %s) AS w, generate_series(0, %s - 1) AS r""",
+            [run.pk, ranks, attempt.pk, windows, ranks],
+        )
+        cursor.execute("ANALYZE telemetry_event")
+    client.force_login(user)
+    with CaptureQueriesContext(connection) as queries:
+        answer = client.get(f"/api/runs/{run.pk}/comm").json()
+    assert len(answer["windows"]) == windows and answer["windows"][-1] == [2991, 3000] and answer["steps"] == 10
+    comm_reads = [query["sql"] for query in queries if "telemetry_event" in query["sql"]]
+    assert comm_reads
+    read = 0
+    with connection.cursor() as cursor:
+        for sql in comm_reads:
+            cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}")
+            read += rows_read(cursor.fetchone()[0][0]["Plan"])
+    # One rank's windows, one lowest-rank lookup and the chosen window's row of every rank.
+    assert read <= windows + 1 + ranks, read
 
 
 def test_events_can_be_read_by_kind_up_to_a_seq(client, platform_user):

@@ -283,10 +283,12 @@ def _predicted_matrix(config_json: str, block: int) -> dict:
 
 
 def _windows(comm_events) -> list[list[int]]:
-    """Every window the attempt measured; all ranks close the same windows, so the lowest rank's tell."""
-    lowest = comm_events.aggregate(rank=Min("rank"))["rank"]
-    payloads = comm_events.filter(rank=lowest).values_list("payload", flat=True)
-    return [payload["window"] for payload in payloads if len(payload.get("window") or ()) == 2]
+    """Every window the attempt measured; all ranks close the same windows, so the lowest rank's tell. Both
+    reads follow the index of comm events by rank: the first entry, then that rank's entries."""
+    ranked = comm_events.filter(rank__isnull=False)
+    lowest = ranked.order_by("rank").values_list("rank", flat=True).first()
+    windows = ranked.filter(rank=lowest).values_list("payload__window", flat=True)
+    return [window for window in windows if isinstance(window, list) and len(window) == 2]
 
 
 def _matrix(rows: list[dict], world: int, block: int, steps: int) -> dict:
