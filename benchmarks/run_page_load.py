@@ -3,10 +3,10 @@
 A database of its own on the PostgreSQL server of DATABASE_URL (`loom_bench_<pid>`, dropped afterwards) is
 filled as ingest would have filled it, but by SQL (generate_series) so that seeding takes minutes, not hours:
 one run of N ranks (tp 8 × pp 4 × FSDP over the rest), a RankStep row per rank and step (rank 77 is 30 %
-slower, a straggler), every RankTile level summed from those rows, each rank's host, and one window of `comm`
-events (each rank's row of the planner's predicted matrix) stored through the ingest store. The metric
-events themselves are not seeded: the page never reads them (it reads RankStep/RankTile, and the events
-before its snapshot by kind, through an index).
+slower, a straggler), every RankTile level summed from those rows, each rank's host, and a `comm` event per
+rank for every 10-step window (the trainer's default; each rank's row of the planner's predicted matrix),
+the last window stored through the ingest store. The metric events themselves are not seeded: the page never
+reads them (it reads RankStep/RankTile, and the events before its snapshot by kind, through an index).
 
 Then the web process is started as `bin/up` starts it, and in headless Chromium (Playwright, Debian's
 chromium, benchmarks/browser.py) a logged-in user opens the run page `--loads` times; reported (medians): the
@@ -45,6 +45,7 @@ from loom.telemetry.store import TILE_SPANS, store_batches
 from unittest import mock
 
 ranks, steps, slow = int(os.environ["BENCH_RANKS"]), int(os.environ["BENCH_STEPS"]), int(os.environ["BENCH_SLOW"])
+COMM_WINDOW = 10  # the trainer's default comm_window_steps
 user = ensure_user("bench", os.environ["BENCH_PASSWORD"])
 with mock.patch("loom.runs.tasks.launch_attempt.delay"):
     run = create_run(user, f"{ranks} ranks x {steps} steps", json.loads(os.environ["BENCH_CONFIG"]))
@@ -77,12 +78,28 @@ with connection.cursor() as cursor:
            FROM generate_series(0, %s - 1) AS r''',
         [attempt.pk, steps, ranks],
     )
+    rows = json.loads(open(os.environ["BENCH_COMM_FILE"]).read())
+    # Every earlier window's comm events, one per rank, as the trainer sends one every COMM_WINDOW steps.
+    cursor.execute(
+        '''WITH rows AS (SELECT (element->>'rank')::int AS rank, element AS payload
+                         FROM jsonb_array_elements(%s::jsonb) AS element)
+           INSERT INTO telemetry_event (run_id, seq, attempt_id, kind, rank, step, payload, time, received_at)
+           SELECT %s, (SELECT last_seq FROM runs_run WHERE id = %s) + row_number() OVER (ORDER BY w, rank),
+               %s, 'comm', rank, w * %s,
+               payload || jsonb_build_object('window', jsonb_build_array(w * %s - %s + 1, w * %s)),
+               now() - (%s - w * %s) * interval '1 second', now()
+           FROM generate_series(1, %s / %s - 1) AS w CROSS JOIN rows''',
+        [json.dumps(rows), run.pk, run.pk, attempt.pk, *[COMM_WINDOW] * 4, steps, COMM_WINDOW, steps, COMM_WINDOW],
+    )
+    cursor.execute(
+        "UPDATE runs_run SET last_seq = (SELECT max(seq) FROM telemetry_event WHERE run_id = %s) WHERE id = %s",
+        [run.pk, run.pk],
+    )
     cursor.execute("ANALYZE")
-rows = json.loads(open(os.environ["BENCH_COMM_FILE"]).read())
 ref = AttemptRef(attempt.pk, attempt.number, run.pk)
 comm = [
     pending_batch(ref, row["rank"], 0, [{"kind": "comm", "time": time.time(), "step": steps,
-                                          "payload": {**row, "window": [steps - 9, steps]}}])
+                                          "payload": {**row, "window": [steps - COMM_WINDOW + 1, steps]}}])
     for row in rows
 ]
 with mock.patch("loom.telemetry.store.publish"):
