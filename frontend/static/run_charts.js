@@ -263,7 +263,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
 
   // A fresh layout each time; uirevision keeps a zoom the user chose across redraws.
   // Tick labels sit inside the margins: Plotly's default check that none overflows the chart measures
-  // each label's box on every redraw, a forced layout of the page that was a fifth of a live band's draw.
+  // each label's box on every redraw, a forced layout of the page that was a tenth of a live band's draw.
   const TICKS = { ticklabeloverflow: "allow" };
 
   // `legend`: false for the bands, whose note names their lines (its layout is measured on every draw).

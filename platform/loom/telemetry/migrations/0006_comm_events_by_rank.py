@@ -9,21 +9,18 @@ class AddIndexWithoutBlockingIngest(migrations.AddIndex):
 
     def database_forwards(self, app_label, schema_editor, from_state, to_state):
         model = to_state.apps.get_model(app_label, self.model_name)
-        if not self.allow_migrate_model(schema_editor.connection.alias, model):
-            return
-        if schema_editor.connection.vendor == "postgresql":
-            schema_editor.add_index(model, self.index, concurrently=True)
-        else:
-            schema_editor.add_index(model, self.index)
+        if self.allow_migrate_model(schema_editor.connection.alias, model):
+            schema_editor.add_index(model, self.index, **_concurrently(schema_editor))
 
     def database_backwards(self, app_label, schema_editor, from_state, to_state):
         model = from_state.apps.get_model(app_label, self.model_name)
-        if not self.allow_migrate_model(schema_editor.connection.alias, model):
-            return
-        if schema_editor.connection.vendor == "postgresql":
-            schema_editor.remove_index(model, self.index, concurrently=True)
-        else:
-            schema_editor.remove_index(model, self.index)
+        if self.allow_migrate_model(schema_editor.connection.alias, model):
+            schema_editor.remove_index(model, self.index, **_concurrently(schema_editor))
+
+
+def _concurrently(schema_editor) -> dict:
+    """PostgreSQL's schema editor takes `concurrently`; SQLite's has no such argument."""
+    return {"concurrently": True} if schema_editor.connection.vendor == "postgresql" else {}
 
 
 class Migration(migrations.Migration):
