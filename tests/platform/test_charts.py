@@ -93,6 +93,26 @@ def test_few_ranks_are_lines_and_many_ranks_a_band_with_the_spike_in_max(client,
     assert "metric" in client.get(f"/api/runs/{big.pk}/metrics/ranks?metric=rss").json()["errors"]
 
 
+def test_a_band_s_middle_is_the_median_over_ranks_from_tiles_and_from_raw_steps(client, platform_user):
+    """The database groups the band (percentile_cont on PostgreSQL, a registered aggregate on SQLite):
+    with 10 ranks the middle is the mean of the 5th and 6th rank, not the mean over ranks."""
+    user = platform_user[0]
+    client.force_login(user)
+    run, attempt, _ = claimed_run(user, config=world_config(10))
+    times = {(rank, step): {"step_time_s": (rank + 1) ** 2 / 100} for rank in range(10) for step in range(1, 201)}
+    send_steps(BatchSender(attempt), range(10), range(1, 201), times)
+    tiled = client.get(f"/api/runs/{run.pk}/metrics/ranks?metric=step_time_s&width=200").json()
+    raw = client.get(f"/api/runs/{run.pk}/metrics/ranks?metric=step_time_s&start=50&end=60").json()
+    assert tiled["span"] == 8 and tiled["band"]["step"] == list(range(0, 201, 8))
+    assert raw["span"] == 1 and raw["band"]["step"] == list(range(50, 61))
+    for band in (tiled["band"], raw["band"]):
+        assert band["median"] == pytest.approx([(0.25 + 0.36) / 2] * len(band["step"]))
+        assert band["min"] == pytest.approx([0.01] * len(band["step"]))
+        assert band["max"] == pytest.approx([1.0] * len(band["step"]))
+    memory = client.get(f"/api/runs/{run.pk}/metrics/ranks?metric=memory_bytes&start=1&end=3").json()["band"]
+    assert memory == {"step": [1, 2, 3], "min": [1000] * 3, "median": [1004.5] * 3, "max": [1009] * 3}
+
+
 def test_the_heatmap_shows_a_slow_rank_as_a_stripe_and_names_its_host(client, platform_user):
     user = platform_user[0]
     run, attempt, _ = claimed_run(user, config=world_config(8))
