@@ -8,8 +8,16 @@ from loom.runs.api import router as runs_router
 from loom.telemetry.api import router as telemetry_router
 
 from .auth import user_auth
+from .renderer import FastJSONRenderer
 
-api = NinjaAPI(title="loom", version="1", auth=user_auth, urls_namespace="api", docs_decorator=login_required)
+api = NinjaAPI(
+    title="loom",
+    version="1",
+    auth=user_auth,
+    urls_namespace="api",
+    docs_decorator=login_required,
+    renderer=FastJSONRenderer(),
+)
 api.add_router("/", runs_router)
 api.add_router("/", telemetry_router)
 api.add_router("/", checkpoints_router)

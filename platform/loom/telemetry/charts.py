@@ -11,6 +11,7 @@ import math
 from collections import defaultdict
 from typing import NamedTuple
 
+from django.db import connection
 from django.db.models import F, FloatField, Max, Min, QuerySet
 from django.db.models.expressions import Combinable
 from django.db.models.functions import Cast, NullIf
@@ -137,6 +138,15 @@ def _cells(attempt: Attempt, metric: str, first: int, last: int, span: int) -> _
     return _Cells(rows, F("bucket") * span, F(f"{prefix}_min"), mean, F(f"{prefix}_max"))
 
 
+def _fetch(rows: QuerySet) -> list[tuple]:
+    """A values_list's rows straight from the database cursor: Django passes every computed float through
+    a converter, which for a heatmap's 160,000 cells cost more than reading them."""
+    sql, params = rows.query.sql_with_params()
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall()
+
+
 def _per_rank_chart(run: Run, metric: str, number: int | None) -> tuple[int, Attempt, int]:
     """(last_seq, attempt, world size) for a per-rank chart of `metric`, after checking the metric."""
     if metric not in RANK_METRICS:
@@ -234,7 +244,7 @@ def heatmap(
     first_start = bounds[0] // span * span
     grid = [[None] * ((bounds[1] - first_start) // span + 1) for _ in range(world)]
     filled = set()
-    for rank, start, mean in cells.rows.filter(rank__lt=world).values_list("rank", cells.start, cells.mean):
+    for rank, start, mean in _fetch(cells.rows.filter(rank__lt=world).values_list("rank", cells.start, cells.mean)):
         column = (start - first_start) // span
         grid[rank][column] = mean
         filled.add(column)
