@@ -1103,45 +1103,37 @@ window.loomRunCharts = (page, run, requestFrame) => {
     return element.closest(".chart-card");
   }
 
+  // Plotly is loaded `async` on this page, so the snapshot's requests go out while its 4.8 MB is parsed
+  // (most of a first visit's second here): the charts are created, and anything is drawn, once it has run.
+  const plotlyLoaded = new Promise((resolve) => {
+    if (window.Plotly) resolve();
+    else document.getElementById("plotly-script").addEventListener("load", () => resolve());
+  });
+  let plotsCreated = false;
+
   function setUp(onError) {
     showError = onError;
     for (const [key, spec] of Object.entries(SERIES)) {
       elements[key] = document.getElementById(spec.element);
-      Plotly.newPlot(elements[key], [], lineLayout(spec.axis, ""), C.PLOT_CONFIG);
       C.addCsvButton(card(elements[key]), `run-${page.runId}-${key}.csv`, () =>
         C.lineTable(seriesTraces(key), SERIES[key].metric),
       );
-      C.onStepRange(elements[key], (range) => {
-        seriesRange[key] = range;
-        fetchSeries([key], range).catch(showError);
-      });
     }
     for (const [metric, spec] of Object.entries(RANK_METRICS)) {
       const panel = rankPanels[metric];
       elements[metric] = document.getElementById(spec.element);
-      Plotly.newPlot(elements[metric], [], lineLayout(spec.axis, ""), C.PLOT_CONFIG);
       C.addCsvButton(
         card(elements[metric]),
         () => `run-${page.runId}-attempt-${panel.attempt}-${metric}-per-rank.csv`,
         () => rankTable(panel),
       );
-      C.onStepRange(elements[metric], (range) => {
-        panel.range = range;
-        fetchRanks(panel).catch(showError);
-      });
     }
     elements.heatmap = document.getElementById("rank-heatmap");
-    Plotly.newPlot(elements.heatmap, [], { margin: C.MARGIN }, C.PLOT_CONFIG);
     C.addCsvButton(
       card(elements.heatmap),
       () => `run-${page.runId}-attempt-${heatmap.answer?.attempt}-${heatmap.metric}-heatmap.csv`,
       heatmapTable,
     );
-    C.onStepRange(elements.heatmap, (range) => {
-      heatmap.range = range;
-      fetchHeatmap().catch(showError);
-    });
-    elements.heatmap.on("plotly_click", pickFromHeatmap);
     for (const input of document.querySelectorAll('input[name="heatmap-metric"]')) {
       input.addEventListener("change", () => {
         heatmap.metric = input.value;
@@ -1181,6 +1173,33 @@ window.loomRunCharts = (page, run, requestFrame) => {
       refetchRankLevel();
     });
     rankPick.addEventListener("change", pickRanks);
+    plotlyLoaded.then(createPlots);
+  }
+
+  function createPlots() {
+    for (const [key, spec] of Object.entries(SERIES)) {
+      Plotly.newPlot(elements[key], [], lineLayout(spec.axis, ""), C.PLOT_CONFIG);
+      C.onStepRange(elements[key], (range) => {
+        seriesRange[key] = range;
+        fetchSeries([key], range).catch(showError);
+      });
+    }
+    for (const [metric, spec] of Object.entries(RANK_METRICS)) {
+      const panel = rankPanels[metric];
+      Plotly.newPlot(elements[metric], [], lineLayout(spec.axis, ""), C.PLOT_CONFIG);
+      C.onStepRange(elements[metric], (range) => {
+        panel.range = range;
+        fetchRanks(panel).catch(showError);
+      });
+    }
+    Plotly.newPlot(elements.heatmap, [], { margin: C.MARGIN }, C.PLOT_CONFIG);
+    C.onStepRange(elements.heatmap, (range) => {
+      heatmap.range = range;
+      fetchHeatmap().catch(showError);
+    });
+    elements.heatmap.on("plotly_click", pickFromHeatmap);
+    plotsCreated = true;
+    requestFrame();
   }
 
   // Everything the charts draw, from the API. Resolves to the lowest last_seq of the answers: every
@@ -1280,6 +1299,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
   }
 
   function draw() {
+    if (!plotsCreated) return;
     const waiting = [...dirty].filter(drawable);
     const light = waiting.filter((item) => !HEAVY.has(item));
     const heavy = waiting.filter((item) => HEAVY.has(item));
