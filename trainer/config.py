@@ -603,8 +603,6 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
         refuse("model.seq_len", f"must be divisible by {split} ({reasons})")
     _pipeline_errors(config, refuse)
     _sharding_errors(config, refuse)
-    if config.compute.compile and parallel.tp > 1:
-        refuse("compute.compile", "cannot be combined with parallel.tp > 1 yet (DTensor backward fails); use false")
     _fault_errors(config, refuse)
     return errors
 

@@ -97,13 +97,6 @@ def test_a_valid_three_dimensional_layout_counts_its_ranks():
     assert config.parallel.world_size == 8 and config.parallel.data_parallel == 2
 
 
-def test_compile_is_refused_with_tensor_parallelism_until_it_works():
-    errors = errors_of({"parallel": {"tp": 2}, "compute": {"compile": True}})
-    assert errors == {
-        "compute.compile": "cannot be combined with parallel.tp > 1 yet (DTensor backward fails); use false"
-    }
-
-
 def test_faults_are_all_off_by_default():
     faults = parse_config({}).faults
     assert faults.crash_at_step is faults.kill_at_step is faults.hang_at_step is faults.nan_at_step is None

@@ -18,6 +18,7 @@ from trainer.config import RunConfig
 from trainer.kernels import TORCH_KERNELS, kernels_for
 from trainer.model import Transformer
 
+from .compiled import compile_blocks
 from .context import apply_context_parallel
 from .data import apply_ddp, apply_fsdp, shards_parameters
 from .mesh import ParallelMesh
@@ -59,8 +60,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             positions = apply_context_parallel(part, mesh["cp"]).to(device)
         apply_recompute(part, config.compute.recompute)
         if config.compute.compile:
-            for block in part.blocks.values():
-                block.compile()
+            compile_blocks(part)
         if shards_parameters(parallel):
             apply_fsdp(part, mesh, parallel, param_dtype)
             wrapped.append(part)
