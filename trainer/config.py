@@ -603,6 +603,12 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
         refuse("model.seq_len", f"must be divisible by {split} ({reasons})")
     _pipeline_errors(config, refuse)
     _sharding_errors(config, refuse)
+    if config.compute.compile and parallel.tp > 1 and config.compute.recompute == "selective":
+        refuse(
+            "compute.compile",
+            "cannot be combined with parallel.tp > 1 and compute.recompute 'selective' (torch 2.13 computes wrong "
+            "gradients for it from its compile cache); use recompute 'full' or 'none', or compile false",
+        )
     _fault_errors(config, refuse)
     return errors
 

@@ -97,6 +97,16 @@ def test_a_valid_three_dimensional_layout_counts_its_ranks():
     assert config.parallel.world_size == 8 and config.parallel.data_parallel == 2
 
 
+def test_compile_with_tensor_parallelism_is_refused_only_with_selective_recompute():
+    refused = errors_of({"parallel": {"tp": 2}, "compute": {"compile": True, "recompute": "selective"}})
+    assert set(refused) == {"compute.compile"} and "recompute 'full' or 'none'" in refused["compute.compile"]
+    for recompute in ("none", "full"):
+        assert parse_config(
+            {"parallel": {"tp": 2}, "compute": {"compile": True, "recompute": recompute}}
+        ).compute.compile
+    assert parse_config({"parallel": {"dp_shard": 2}, "compute": {"compile": True, "recompute": "selective"}})
+
+
 def test_faults_are_all_off_by_default():
     faults = parse_config({}).faults
     assert faults.crash_at_step is faults.kill_at_step is faults.hang_at_step is faults.nan_at_step is None

@@ -48,6 +48,7 @@ LAYOUTS = {
     "tp2_selective_recompute": layout(tp=2, recompute="selective"),
     "fsdp2_compiled_blocks": layout(2, dp_shard=2, compile=True),
     "dp2xtp2_compiled_blocks": layout(2, dp_shard=2, tp=2, compile=True),
+    "tp2_full_recompute_compiled": layout(tp=2, recompute="full", compile=True),
     "cp2": layout(cp=2),
     "cp2xdp2": layout(2, cp=2, dp_replicate=2),
 }

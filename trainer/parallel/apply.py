@@ -18,12 +18,11 @@ from trainer.config import RunConfig
 from trainer.kernels import TORCH_KERNELS, kernels_for
 from trainer.model import Transformer
 
-from .compiled import compile_blocks
+from .compiled import recompute_and_compile
 from .context import apply_context_parallel
 from .data import apply_ddp, apply_fsdp, shards_parameters
 from .mesh import ParallelMesh
 from .pipeline import build_schedule, split_model
-from .recompute import apply_recompute
 from .tensor import apply_tensor_parallel
 
 
@@ -58,9 +57,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             apply_tensor_parallel(part, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel)
         if parallel.cp > 1:
             positions = apply_context_parallel(part, mesh["cp"]).to(device)
-        apply_recompute(part, config.compute.recompute)
-        if config.compute.compile:
-            compile_blocks(part)
+        recompute_and_compile(part, config.compute.recompute, config.compute.compile, parallel.tp > 1)
         if shards_parameters(parallel):
             apply_fsdp(part, mesh, parallel, param_dtype)
             wrapped.append(part)

@@ -1,11 +1,17 @@
-"""torch.compile per transformer block, under any layout.
+"""Activation checkpointing and torch.compile per transformer block, under any layout.
 
-Under tensor parallelism the embedding's output reaches the first block as an AsyncCollectiveTensor:
+The order is checkpointing, then compile, except where torch 2.13 cannot compile what checkpointing
+leaves: under tensor parallelism a checkpointed block that redistributes DTensors does not compile
+(AOTAutograd finds a DeviceMesh among the tensors it saves), so there the compiled block is checkpointed
+instead. (Selective recompute under tensor parallelism would need the attention compiled on its own and
+then checkpointed; torch 2.13 computes wrong gradients for that from its compile cache, so the config
+refuses compile with that pair.)
+
+Under tensor parallelism the embedding's output also reaches the first block as an AsyncCollectiveTensor:
 RowwiseParallel issues its reduce-scatter async and `to_local()` hands back the waiting wrapper. Taken as
 the input of a compiled region, that wrapper makes AOTAutograd return a plain tensor as its gradient, and
-the embedding's redistribute backward, which expects a DTensor, fails (torch 2.13: `'Tensor' object has no
-attribute '_local_tensor'`). So the embedding's output is settled into a plain tensor, outside any
-compiled region, before the blocks see it."""
+the embedding's redistribute backward, which expects a DTensor, fails (`'Tensor' object has no attribute
+'_local_tensor'`). So the embedding's output is settled into a plain tensor before any compiled code."""
 
 from __future__ import annotations
 
@@ -15,12 +21,22 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from trainer.model import Transformer
 
+from .recompute import apply_recompute
 
-def compile_blocks(part: Transformer) -> None:
-    for block in part.blocks.values():
-        block.compile()
+
+def recompute_and_compile(part: Transformer, recompute: str, compile: bool, tensor_parallel: bool) -> None:
+    if not compile:
+        apply_recompute(part, recompute)
+        return
     if part.embedding is not None:
         part.embedding.register_forward_hook(_settled)
+    checkpoint_compiled_code = tensor_parallel and recompute == "full"
+    if not checkpoint_compiled_code:
+        apply_recompute(part, recompute)
+    for block in part.blocks.values():
+        block.compile()
+    if checkpoint_compiled_code:
+        apply_recompute(part, recompute)
 
 
 def _settled(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
