@@ -441,6 +441,33 @@ def no_step_yet(platform_user, platform_server):
     return run, ingest
 
 
+def test_the_snapshot_is_asked_for_while_plotly_is_still_arriving(sixteen_ranks, open_logged_in):
+    """Plotly (4.8 MB) is loaded async: the page's API requests go out before it has arrived, and its
+    charts are created and drawn once it has run."""
+    run, _ = sixteen_ranks
+    page = open_run(open_logged_in, run.pk)
+    delay_s = 2.0
+
+    def late_plotly(route):
+        time.sleep(delay_s)
+        route.continue_()
+
+    # A routed page bypasses the browser's cache, so Plotly is fetched again, late.
+    page.route("**/plotly/plotly.min.js", late_plotly)
+    page.reload()
+    page.wait_for_function("window.loomRun && window.loomRun.snapshotSeq !== null", timeout=30_000)
+    wait_for_chart(page, "rank-heatmap", "data.length === 1 && data[0].z && data[0].z.length === 16")
+    (heat,) = chart_data(page, "rank-heatmap")
+    assert max(range(RANKS), key=lambda rank: sum(heat["z"][rank]) / len(heat["z"][rank])) == SLOW_RANK
+    timings = page.evaluate(
+        "() => performance.getEntriesByType('resource')"
+        ".map((entry) => [entry.name, entry.startTime, entry.responseEnd])"
+    )
+    (plotly_arrived,) = [end for name, _, end in timings if name.endswith("plotly.min.js")]
+    asked = [start for name, start, _ in timings if f"/api/runs/{run.pk}/metrics/" in name]
+    assert plotly_arrived > delay_s * 1000 and asked and min(asked) < plotly_arrived - delay_s * 500
+
+
 def test_a_page_opened_before_the_first_step_builds_its_heatmap_from_live_steps(no_step_yet, open_logged_in):
     run, ingest = no_step_yet
     start = time.time()
