@@ -1,7 +1,8 @@
 """parallelize(): every form of parallelism applied to the model in one place and a fixed order.
 
 TP (+SP, loss parallel) → activation checkpointing → torch.compile per block → FSDP2/HSDP or DDP;
-PP first cuts the model into stages and the rest is applied to each stage."""
+PP first cuts the model into stages and the rest is applied to each stage. (Under TP with full recompute
+the blocks are compiled before they are checkpointed: compiled.py says why.)"""
 
 from __future__ import annotations
 
