@@ -28,7 +28,7 @@ def recompute_and_compile(part: Transformer, recompute: str, compile: bool, tens
     if not compile:
         apply_recompute(part, recompute)
         return
-    if part.embedding is not None:
+    if tensor_parallel and part.embedding is not None:
         part.embedding.register_forward_hook(_settled)
     checkpoint_compiled_code = tensor_parallel and recompute == "full"
     if not checkpoint_compiled_code:
