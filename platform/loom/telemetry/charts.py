@@ -6,10 +6,8 @@ the events after that seq, and a point in both is the same (attempt, rank, step)
 """
 
 import functools
-import itertools
 import json
 import math
-import operator
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -29,9 +27,6 @@ from .store import TILE_SPANS
 
 SERIES = ("loss_mean", "grad_norm", "lr", "tokens_per_s", "mfu")
 RANK_METRICS = {"step_time_s": "step_time", "memory_bytes": "memory", "compute_s": "compute"}
-# What a rank's line and a band hold per bucket, each a list over the buckets' first steps.
-LINE_COLUMNS = ("step", "min", "mean", "max")
-BAND_COLUMNS = ("step", "min", "median", "max")
 # Attempts with more ranks than this get a band (min/median/max over ranks) unless ranks are picked.
 LINE_RANKS_MAX = 8
 # Rank × bucket cells one heatmap or band reads and sends at most: 1,024 ranks get ~250 columns.
@@ -94,11 +89,11 @@ def series(run: Run, width: int, start: int | None = None, end: int | None = Non
             rows = rows.filter(step__gte=start)
         if end is not None:
             rows = rows.filter(step__lte=end)
-        table = _columns(("step", *SERIES), rows.order_by("step").values_list("step", *SERIES))
-        steps = table["step"]
+        table = list(rows.order_by("step").values_list("step", *SERIES))
+        steps = [row[0] for row in table]
         curves = {}
-        for name in SERIES:
-            values = table[name]
+        for index, name in enumerate(SERIES, start=1):
+            values = [row[index] for row in table]
             if name == "tokens_per_s":
                 values = [None if value is None else value * data_parallel for value in values]
             kept_steps, kept_values = min_max(steps, values, max(1, width // 2))
@@ -180,7 +175,7 @@ def rank_metric(
     as_lines = ranks is not None or world <= LINE_RANKS_MAX
     bounds = _step_range(attempt, start, end)
     if bounds is None:
-        empty = {"lines": {}} if as_lines else {"band": _columns(BAND_COLUMNS, [])}
+        empty = {"lines": {}} if as_lines else {"band": {"step": [], "min": [], "median": [], "max": []}}
         return answer | {"span": 1} | empty
     shown = len(ranks) if ranks is not None else world
     columns = max(1, width // 2) if as_lines else max(1, min(width // 2, CELLS_MAX // max(1, shown)))
@@ -189,11 +184,15 @@ def rank_metric(
         return answer | {"span": span, "band": _band(attempt, metric, *bounds, span)}
     cells = _cells(attempt, metric, *bounds, span)
     rows = cells.rows.filter(rank__in=ranks) if ranks is not None else cells.rows
-    by_rank = rows.values_list("rank", cells.start, cells.low, cells.mean, cells.high).order_by("rank", cells.start)
-    lines = {
-        str(rank): _columns(LINE_COLUMNS, (row[1:] for row in rank_rows))
-        for rank, rank_rows in itertools.groupby(by_rank, key=operator.itemgetter(0))
-    }
+    lines: dict[str, dict[str, list]] = {}
+    for rank, start, lowest, mean, highest in rows.values_list(
+        "rank", cells.start, cells.low, cells.mean, cells.high
+    ).order_by("rank", cells.start):
+        line = lines.setdefault(str(rank), {"step": [], "min": [], "mean": [], "max": []})
+        line["step"].append(start)
+        line["min"].append(lowest)
+        line["mean"].append(mean)
+        line["max"].append(highest)
     return answer | {"span": span, "lines": lines}
 
 
@@ -204,16 +203,13 @@ def _band(attempt: Attempt, metric: str, first: int, last: int, span: int) -> di
     grouped = cells.rows.values(start=cells.start).annotate(
         low=Min(cells.low), middle=Median(cells.mean), high=Max(cells.high)
     )
-    return _columns(BAND_COLUMNS, grouped.values_list("start", "low", "middle", "high").order_by("start"))
-
-
-def _columns(names: tuple[str, ...], rows) -> dict[str, list]:
-    """Rows of values in the order of `names` → one list per name."""
-    columns = {name: [] for name in names}
-    for row in rows:
-        for name, value in zip(names, row, strict=True):
-            columns[name].append(value)
-    return columns
+    band = {"step": [], "min": [], "median": [], "max": []}
+    for start, lowest, middle, highest in grouped.values_list("start", "low", "middle", "high").order_by("start"):
+        band["step"].append(start)
+        band["min"].append(lowest)
+        band["median"].append(middle)
+        band["max"].append(highest)
+    return band
 
 
 def heatmap(
