@@ -147,6 +147,17 @@ def test_openapi_schema_is_for_logged_in_users_and_documents_the_routes(client, 
     assert "requestBody" in schema["paths"]["/api/ingest"]["post"]
 
 
+def test_openapi_schema_answers_a_script_with_its_api_token(client, platform_user, token_for):
+    response = api(client, "get", "/api/openapi.json", token_for(platform_user[0]))
+    assert response.status_code == 200
+    assert "/api/runs" in response.json()["paths"]
+    refused = api(client, "get", "/api/openapi.json", "loom_not-a-token")
+    assert refused.status_code == 401
+    assert refused.json() == {"detail": "Unauthorized"}
+    _, _, attempt_token = claimed_run(platform_user[0])
+    assert api(client, "get", "/api/openapi.json", attempt_token).status_code == 401
+
+
 def test_an_invalid_parallel_layout_is_refused_before_launch(client, platform_user, token_for):
     config = {**TINY_CONFIG, "parallel": {"tp": 3}}
     response = api(client, "post", "/api/runs", token_for(platform_user[0]), {"name": "bad layout", "config": config})

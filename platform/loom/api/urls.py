@@ -1,4 +1,3 @@
-from django.contrib.auth.decorators import login_required
 from ninja import NinjaAPI
 
 from loom.alerts.api import router as alerts_router
@@ -7,7 +6,7 @@ from loom.planner.api import router as planner_router
 from loom.runs.api import router as runs_router
 from loom.telemetry.api import router as telemetry_router
 
-from .auth import user_auth
+from .auth import docs_access, user_auth
 from .renderer import FastJSONRenderer
 
 api = NinjaAPI(
@@ -15,7 +14,7 @@ api = NinjaAPI(
     version="1",
     auth=user_auth,
     urls_namespace="api",
-    docs_decorator=login_required,
+    docs_decorator=docs_access,
     renderer=FastJSONRenderer(),
 )
 api.add_router("/", runs_router)
