@@ -3,6 +3,8 @@
 The `db` fixture is not transactional, so create_run's on-commit launch never fires here: runs stay queued.
 """
 
+import re
+
 import pytest
 from django.test import Client
 
@@ -81,6 +83,15 @@ def test_run_list_shows_only_the_users_runs(logged_in, adas_run, django_user_mod
     assert 'class="badge state-queued"' in page
     assert "mallory" not in page
     assert 'href="/runs/new/"' in page
+
+
+@pytest.mark.django_db
+def test_run_list_shows_the_newest_run_first_as_the_api_does(logged_in, ada):
+    runs = [create_run(ada, name, {}) for name in ("first", "second", "third")]
+    page = logged_in.get("/").content.decode()
+    listed = [int(run_id) for run_id in re.findall(r'<tr data-run="(\d+)">', page)]
+    assert listed == [run.pk for run in reversed(runs)]
+    assert [run["id"] for run in logged_in.get("/api/runs").json()] == listed
 
 
 @pytest.mark.django_db

@@ -28,9 +28,15 @@ COMPARE_RUNS_MAX = 8
 def run_list(request):
     """Each run with how many of its alerts are live and how many of those are critical."""
     live = Q(alerts__state__in=Alert.LIVE)
-    runs = services.runs_for(request.user).annotate(
-        live_alerts=Count("alerts", filter=live),
-        critical_alerts=Count("alerts", filter=live & Q(alerts__severity=CRITICAL)),
+    # Newest first, as the API lists them; ordered here because Django leaves Meta.ordering out of a
+    # query that groups rows, and the alert counts group them.
+    runs = (
+        services.runs_for(request.user)
+        .annotate(
+            live_alerts=Count("alerts", filter=live),
+            critical_alerts=Count("alerts", filter=live & Q(alerts__severity=CRITICAL)),
+        )
+        .order_by("-created_at", "-id")
     )
     return render(request, "runs/list.html", {"runs": runs})
 
