@@ -289,3 +289,38 @@ def test_a_rank_whose_metrics_arrive_is_not_silent_though_its_heartbeats_are_lat
     (changes,) = check_hangs(timezone.now())
     (silent,) = changes.opened
     assert (silent.rule, silent.rank) == (detectors.HANG, 2)
+
+
+@pytest.mark.parametrize("outcome", [states.SUCCEEDED, states.FAILED, states.CANCELLED])
+def test_an_ended_attempt_resolves_its_live_conditions_and_leaves_what_a_person_must_act_on(
+    client, sender, platform_user, outcome
+):
+    attempt = sender.attempt
+    live_conditions = [
+        detectors.Finding(detectors.STRAGGLER, 12, detectors.WARNING, "rank 5 is slow", rank=SLOW_RANK),
+        detectors.Finding(detectors.THROUGHPUT_DROP, 13, detectors.WARNING, "tokens/s fell"),
+        detectors.Finding(detectors.MEMORY_CREEP, 14, detectors.WARNING, "memory of rank 2 rose", rank=2),
+        detectors.Finding(detectors.HANG, 15, detectors.CRITICAL, "no step for 60 s"),
+    ]
+    about_the_model = [
+        detectors.Finding(detectors.LOSS_SPIKE, 16, detectors.WARNING, "loss 40 at step 16"),
+        detectors.Finding(detectors.GRAD_NORM_SPIKE, 16, detectors.WARNING, "grad norm 90 at step 16"),
+        detectors.Finding(detectors.NON_FINITE, 17, detectors.CRITICAL, "loss not finite", ranks=(0, 1)),
+    ]
+    record(attempt, live_conditions + about_the_model, str)
+    final = {"state": outcome, "exit_code": 0 if outcome == states.SUCCEEDED else 1, "reason": "", "retryable": False}
+    sender.send(-1, {"kind": "state", "time": time.time(), "payload": {"state": states.RUNNING}})
+    sender.send(-1, {"kind": "state", "time": time.time(), "payload": final})
+
+    alerts = {alert.rule: alert for alert in Alert.objects.filter(run_id=attempt.run_id)}
+    for finding in live_conditions:
+        ended = alerts[finding.rule]
+        assert (ended.state, ended.resolution) == (Alert.RESOLVED, f"attempt 1 ended ({outcome})")
+    # A failed attempt adds its rank-exit alert, which stays open too.
+    must_act = {finding.rule for finding in about_the_model} | ({detectors.RANK_EXIT} if outcome == "failed" else set())
+    assert {rule for rule, alert in alerts.items() if alert.state == Alert.OPEN} == must_act
+    # The watcher's last pass over the ended attempt's metrics opens no live condition again.
+    late = detectors.Finding(detectors.STRAGGLER, 20, detectors.WARNING, "rank 5 is slow", rank=SLOW_RANK)
+    assert not record(attempt, [late], str)
+    client.force_login(platform_user[0])
+    assert f">{len(must_act)} open</a>" in client.get("/").content.decode()

@@ -9,6 +9,7 @@ from loom.alerts import detectors
 from loom.alerts.detectors import Finding
 from loom.alerts.models import Alert
 from loom.alerts.services import record
+from loom.alerts.triage import alert_views
 from loom.runs.models import Attempt
 
 from .helpers import BatchSender, checkpoint_event, claimed_run
@@ -77,3 +78,32 @@ def test_someone_elses_triage_page_is_a_404(platform_user, other_user):
     client = Client()
     client.force_login(other_user)
     assert client.get(f"/runs/{run.pk}/triage/").status_code == 404
+
+
+def test_a_crash_past_the_last_heartbeat_gets_the_step_its_metrics_reached_and_the_checkpoint_before(
+    platform_user, tmp_path
+):
+    """Killed in step 35: metrics reached 34 and a checkpoint 30, but the last heartbeat said step 22."""
+    user = platform_user[0]
+    run, attempt, _ = claimed_run(user)
+    Attempt.objects.filter(pk=attempt.pk).update(work_dir=str(tmp_path))
+    sender = BatchSender(attempt)
+    for rank in range(2):
+        beat = {"kind": "heartbeat", "time": time.time(), "step": 22, "payload": {"host": "node-a", "pid": 100}}
+        metrics = [{"kind": "metric", "time": time.time(), "step": step, "payload": {}} for step in range(1, 35)]
+        sender.send(rank, beat, *metrics)
+        rank_log(tmp_path, rank, [f"rank {rank} step {step}/40 loss 4.0" for step in range(1, 35)])
+    for step in (10, 20, 30):
+        sender.send(0, checkpoint_event("committed", step, f"{tmp_path}/step-{step}", time=time.time()))
+    failed = {
+        "state": "failed", "exit_code": 1, "reason": "rank 1 was killed by SIGKILL", "failure_kind": "killed",
+        "retryable": False, "failure_rank": 1, "failure_cause": "rank 1 was killed by SIGKILL",
+    }  # fmt: skip
+    sender.send(-1, {"kind": "state", "time": time.time(), "payload": {"state": "running"}})
+    sender.send(-1, {"kind": "state", "time": time.time(), "payload": failed})
+
+    exit_alert = Alert.objects.get(run=run, rule=detectors.RANK_EXIT)
+    assert (exit_alert.rank, exit_alert.step) == (1, 34)
+    (view,) = alert_views(run, [exit_alert])
+    assert view.restore_from.step == 30
+    assert [excerpt.lines[-1] for excerpt in view.logs] == ["rank 1 step 34/40 loss 4.0"]

@@ -1,5 +1,6 @@
 """An alert's life: opened by a finding, updated while its condition is seen again, acknowledged or
-resolved by a user, or resolved by itself once its condition has not been seen for clear_after_steps steps."""
+resolved by a user, or resolved by itself once its condition has not been seen for clear_after_steps steps,
+or once the attempt it was seen in ends (LIVE_CONDITIONS)."""
 
 import functools
 from collections.abc import Callable
@@ -9,11 +10,18 @@ from django.db import IntegrityError, transaction
 from django.db.models import Max
 from django.utils import timezone
 
+from loom.runs import states
 from loom.runs.models import Attempt
-from loom.telemetry.models import RankStatus
+from loom.telemetry.models import RankStatus, RankStep
 
-from .detectors import CRITICAL, RANK_EXIT, Finding
+from .detectors import CRITICAL, HANG, MEMORY_CREEP, RANK_EXIT, STRAGGLER, THROUGHPUT_DROP, Finding
 from .models import Alert
+
+# What is wrong only while ranks run: a slow or silent rank, falling throughput, growing memory. Once the
+# attempt ends there is nothing left to watch or to act on, so these resolve with it. The other rules (a rank
+# that exited, a non-finite loss, a loss or gradient-norm spike) are about what the run did to its model: a
+# person must decide whether to restore past them, so they stay open after the attempt ends.
+LIVE_CONDITIONS = frozenset({STRAGGLER, THROUGHPUT_DROP, MEMORY_CREEP, HANG})
 
 
 class AlertStateError(ValueError):
@@ -36,13 +44,20 @@ def alert_key(rule: str, rank: int | None) -> str:
 
 def record(attempt: Attempt, findings: list[Finding], host: Callable[[int], str]) -> Changes:
     """Open an alert for each finding with no live alert of its rule and rank in the run; update the live one
-    otherwise. Two processes finding the same thing at once end with one alert."""
+    otherwise. Two processes finding the same thing at once end with one alert. A live condition judged
+    after its attempt ended (the watcher's last pass over its last metrics) is not news: it is over."""
     opened, updated = [], []
+    if any(finding.rule in LIVE_CONDITIONS for finding in findings) and _has_ended(attempt):
+        findings = [finding for finding in findings if finding.rule not in LIVE_CONDITIONS]
     for finding in findings:
         alert, created = _open_or_update(attempt, finding, host)
         if alert is not None:
             (opened if created else updated).append(alert)
     return Changes(opened, updated, [])
+
+
+def _has_ended(attempt: Attempt) -> bool:
+    return Attempt.objects.filter(pk=attempt.pk, state__in=states.TERMINAL).exists()
 
 
 def _open_or_update(attempt: Attempt, finding: Finding, host: Callable[[int], str]) -> tuple[Alert | None, bool]:
@@ -92,8 +107,9 @@ def _open_or_update(attempt: Attempt, finding: Finding, host: Callable[[int], st
 
 def record_exit(attempt: Attempt, rank: int | None, cause: str) -> Changes:
     """The attempt failed: an alert naming the rank that failed first and why (`cause`), as the launcher
-    classified it (failures.py), with whether the restart policy may try again."""
-    latest = RankStatus.objects.filter(attempt=attempt).aggregate(latest=Max("last_step"))["latest"] or 0
+    classified it (failures.py), with whether the restart policy may try again, at the last step the
+    ranks completed."""
+    latest = last_completed_step(attempt, rank)
     retry = "retryable" if attempt.retryable else "not retryable"
     kind = attempt.failure_kind.replace("_", " ")
     finding = Finding(
@@ -106,6 +122,31 @@ def record_exit(attempt: Attempt, rank: int | None, cause: str) -> Changes:
         details={"kind": attempt.failure_kind, "retryable": attempt.retryable, "reason": attempt.failure_reason},
     )
     return record(attempt, [finding], host_lookup(attempt))
+
+
+def last_completed_step(attempt: Attempt, rank: int | None) -> int:
+    """The last step `rank` completed by its stored metrics (any rank's when it is None or stored none).
+    Not the heartbeats': they come seconds apart and carry whatever step their rank had emitted then, far
+    behind the metrics of fast steps. Without any metric, the heartbeats' step, else the step resumed from."""
+    steps = RankStep.objects.filter(attempt=attempt)
+    latest = steps.filter(rank=rank).aggregate(latest=Max("step"))["latest"] if rank is not None else None
+    if latest is None:
+        latest = steps.aggregate(latest=Max("step"))["latest"]
+    if latest is None:
+        latest = RankStatus.objects.filter(attempt=attempt).aggregate(latest=Max("last_step"))["latest"]
+    if latest is None and attempt.restored_from_id is not None:
+        latest = attempt.restored_from.step
+    return latest or 0
+
+
+def end_live_conditions(attempt: Attempt) -> Changes:
+    """The attempt ended: resolve its alerts of LIVE_CONDITIONS, saying so."""
+    with transaction.atomic():
+        live = Alert.objects.filter(attempt=attempt, rule__in=LIVE_CONDITIONS, state__in=Alert.LIVE)
+        ended = list(live.select_for_update())
+        for alert in ended:
+            _mark_resolved(alert, f"attempt {attempt.number} ended ({attempt.state})")
+    return Changes([], [], ended)
 
 
 def host_lookup(attempt: Attempt) -> Callable[[int], str]:

@@ -123,8 +123,11 @@ def cancel_run(run: Run) -> Run:
 def move_attempt(
     attempt: Attempt, target: str, *, exit_code=None, reason: str = "", failure_kind: str = "", retryable=None
 ) -> None:
-    """Apply a state transition to an attempt and mirror it on its run if it is the latest; a failure
+    """Apply a state transition to an attempt and mirror it on its run if it is the latest; an attempt that
+    ends resolves the alerts only a running attempt can have (loom.alerts.services.LIVE_CONDITIONS); a failure
     the launcher judged retryable starts the next attempt (loom.checkpoints.recovery)."""
+    from loom.alerts.notify import announce
+    from loom.alerts.services import end_live_conditions
     from loom.checkpoints.recovery import restart_after_failure
 
     states.check_transition(attempt.state, target)
@@ -147,6 +150,8 @@ def move_attempt(
         fields += ["failure_kind", "retryable"]
     attempt.save(update_fields=fields)
     mirror_on_run(attempt)
+    if target in states.TERMINAL:
+        announce(end_live_conditions(attempt))
     if target == states.FAILED:
         restart_after_failure(attempt)
 
