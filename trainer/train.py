@@ -197,6 +197,8 @@ def train(
             "state": "started",
             "world_size": launch.world_size,
             "device": str(device),
+            # What the platform's page compares with the GPU the run was planned for.
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
             "backend": dist.get_backend(),
             "params": params_total,
             "mesh": mesh.coordinates(),

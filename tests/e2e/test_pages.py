@@ -9,6 +9,7 @@ import pytest
 from django.test import Client
 
 from loom.runs.forms import NewRunForm, input_for
+from loom.runs.hardware import launch_gpus
 from loom.runs.models import Run
 from loom.runs.services import cancel_run, create_run
 
@@ -228,6 +229,19 @@ def test_valid_form_creates_the_run_and_opens_its_page(logged_in, ada):
     assert run.config["optimizer"]["lr"] == 0.003 and run.config["optimizer"]["warmup_steps"] == 2
     assert run.config["data"]["micro_batch"] == 4 and run.config["data"]["corpus_bytes"] == 300000
     assert run.attempts.get().number == 1
+
+
+@pytest.mark.django_db
+def test_a_run_created_in_bf16_for_a_launcher_without_a_gpu_says_so_once_on_its_page(logged_in):
+    response = logged_in.post("/runs/new/", {**TINY_FORM, "compute.precision": "bf16"}, follow=True)
+    run = Run.objects.get()
+    assert response.redirect_chain == [(f"/runs/{run.pk}/", 302)]
+    assert run.config["compute"]["precision"] == "bf16"
+    page = response.content.decode()
+    warning = "Precision: bf16 but the launcher has no GPU"
+    assert (warning in page) == (not launch_gpus())
+    assert warning not in logged_in.get(f"/runs/{run.pk}/").content.decode()
+    assert 'id="launch-warnings"' not in logged_in.post("/runs/new/", TINY_FORM, follow=True).content.decode()
 
 
 @pytest.mark.django_db

@@ -3,7 +3,9 @@ import json
 import pytest
 
 from loom.runs import states
+from loom.runs.hardware import launch_gpus, launch_warnings, planner_gpu
 from loom.runs.models import Run
+from trainer.plan.hardware import GPU_TYPES
 
 from .helpers import TINY_CONFIG, claimed_run
 
@@ -38,6 +40,60 @@ def test_create_run_with_bad_fields_is_400_with_field_errors_and_creates_nothing
     assert "must divide dim=64" in errors["config.model.heads"]
     assert "greater than or equal to 1" in errors["config.parallel.dp_shard"]
     assert not Run.objects.exists()
+
+
+def test_create_run_warns_of_bf16_and_a_prediction_for_gpus_the_launcher_does_not_have(
+    client, platform_user, token_for
+):
+    token = token_for(platform_user[0])
+    config = {**TINY_CONFIG, "compute": {"precision": "bf16"}}
+    cluster = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 2}
+    response = api(client, "post", "/api/runs", token, {"name": "planned", "config": config, "cluster": cluster})
+    assert response.status_code == 201, response.content
+    body = response.json()
+    assert body["estimate"]["cluster"]["gpu"] == "H100-SXM"
+    assert body["warnings"] == launch_warnings(body["config"], body["estimate"], launch_gpus())
+    if not launch_gpus():
+        assert body["warnings"] == {
+            "config.compute.precision": "bf16 but the launcher has no GPU (torch on its machine sees no CUDA "
+            "device): the ranks will compute in bf16 on CPU with gloo; auto trains in fp32 there",
+            "cluster.gpu": "the estimate is for 2 × H100-SXM but the launcher has no GPU: the ranks will train "
+            "on CPU, where the prediction does not apply",
+        }
+    plain = api(client, "post", "/api/runs", token, {"name": "plain", "config": TINY_CONFIG})
+    assert plain.status_code == 201 and plain.json()["warnings"] == {}
+    assert Run.objects.count() == 2
+
+
+def test_launch_warnings_compare_the_estimate_with_the_launchers_gpus():
+    config = {"compute": {"precision": "bf16"}}
+    estimate = {"cluster": {"gpu": "H100-SXM", "nodes": 2, "gpus_per_node": 8}}
+    assert launch_warnings(config, estimate, ("NVIDIA H100 80GB HBM3",)) == {}
+    assert launch_warnings(config, None, ("NVIDIA A100-SXM4-40GB",)) == {}
+    assert launch_warnings(config, estimate, ("NVIDIA A100-SXM4-80GB",)) == {
+        "cluster.gpu": "the estimate is for 16 × H100-SXM but the launcher's GPUs are NVIDIA A100-SXM4-80GB: "
+        "the prediction does not apply to them; estimate on A100-80GB instead"
+    }
+    assert "the planner has no figures for them" in launch_warnings(config, estimate, ("Tesla T4",))["cluster.gpu"]
+    assert set(launch_warnings(config, estimate, ())) == {"config.compute.precision", "cluster.gpu"}
+    assert launch_warnings({"compute": {"precision": "fp32"}}, None, ()) == {}
+
+
+@pytest.mark.parametrize(
+    ("device_name", "gpu_type"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100-SXM"),
+        ("NVIDIA H100 PCIe", "H100-PCIe"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+        ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+        ("NVIDIA B200", "B200"),
+        ("Tesla V100-SXM2-16GB", None),
+    ],
+)
+def test_a_gpu_as_torch_names_it_is_the_planners_gpu_type(device_name, gpu_type):
+    assert planner_gpu(device_name) == gpu_type
+    assert gpu_type is None or gpu_type in GPU_TYPES
 
 
 def test_unknown_config_field_is_named(client, platform_user, token_for):

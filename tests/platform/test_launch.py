@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 
 from loom.runs import states
+from loom.runs.hardware import launch_gpus
 from loom.runs.models import Attempt, Run
 from loom.runs.services import create_run
 from loom.runs.tasks import launch_attempt
@@ -89,6 +90,33 @@ def test_ranks_and_the_launcher_report_to_an_ingest_process_of_its_own(live_plat
         assert metric_steps(run, rank) == list(range(1, 6))
     launcher_states = [e.payload["state"] for e in run.events.filter(kind="state", rank=-1).order_by("seq")]
     assert launcher_states == [states.STARTING, states.RUNNING, states.SUCCEEDED]
+
+
+def test_ranks_train_on_the_hardware_the_launch_warnings_were_given(live_platform, platform_user, token_for):
+    """The warnings at creation come from the launcher's hardware as the platform probes it; the ranks
+    then report the device they really trained on, and the two agree."""
+    config = {**TINY_CONFIG, "steps": 3, "compute": {"precision": "bf16"}}
+    cluster = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 2}
+    body = {"name": "planned for H100s", "config": config, "cluster": cluster}
+    created = api(f"{live_platform.url}/api/runs", token_for(platform_user[0]), "POST", body)
+    run = wait_for(
+        lambda: Run.objects.filter(pk=created["id"], state__in=states.TERMINAL).first(),
+        timeout=180,
+        message="the run to finish",
+    )
+    assert run.state == states.SUCCEEDED, run.attempts.get().failure_reason
+    started = [event.payload for event in run.events.filter(kind="state", rank__gte=0, payload__state="started")]
+    assert len(started) == 2
+    gpus = launch_gpus()
+    if gpus:
+        assert {payload["device_name"] for payload in started} == {gpus[0]}
+        assert "config.compute.precision" not in created["warnings"]
+    else:
+        assert {(payload["device"], payload["device_name"]) for payload in started} == {("cpu", "CPU")}
+        assert created["warnings"]["config.compute.precision"].startswith("bf16 but the launcher has no GPU")
+        assert created["warnings"]["cluster.gpu"].endswith(
+            "the ranks will train on CPU, where the prediction does not apply"
+        )
 
 
 def finished_ranks(spool) -> set[int]:

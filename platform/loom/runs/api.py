@@ -9,6 +9,7 @@ from loom.telemetry.services import events_after
 from trainer.config import world_size_of
 
 from . import services
+from .hardware import launch_gpus, launch_warnings
 from .logs import rank_log_files, tail_lines
 
 router = Router(tags=["runs"])
@@ -94,6 +95,16 @@ class RunDetailOut(RunOut):
         return run.forked_from.step if run.forked_from_id is not None else None
 
 
+class RunCreatedOut(RunDetailOut):
+    # What the run will do on the launcher's hardware other than its config and estimate suggest (bf16
+    # on CPU, a prediction for other GPUs), keyed by field path as errors are; the run is created anyway.
+    warnings: dict[str, str]
+
+    @staticmethod
+    def resolve_warnings(run):
+        return launch_warnings(run.config, run.estimate, launch_gpus())
+
+
 class FieldErrors(Schema):
     errors: dict[str, str]
 
@@ -124,10 +135,11 @@ class LogTail(Schema):
     files: dict[str, list[str]]
 
 
-@router.post("/runs", response={201: RunDetailOut, 400: FieldErrors})
+@router.post("/runs", response={201: RunCreatedOut, 400: FieldErrors})
 def create_run(request, body: RunIn):
     """Create a run from a name and a run-config document and queue its first attempt; with a
-    cluster, the planner's estimate for it there is stored with the run."""
+    cluster, the planner's estimate for it there is stored with the run. `warnings` says what the
+    run will do on the launcher's hardware other than planned."""
     try:
         run = services.create_run(request.user, body.name, body.config, body.cluster)
     except services.RunInputError as error:

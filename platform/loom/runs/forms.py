@@ -61,6 +61,7 @@ CONFIG_SECTIONS = [
     ("Training", ["steps"]),
     ("Model", MODEL_SHAPE_PATHS),
     ("Parallelism", PARALLEL_PATHS),
+    ("Compute", ["compute.precision"]),
     ("Optimizer", ["optimizer.lr", "optimizer.warmup_steps"]),
     ("Data", ["data.micro_batch", "data.corpus_bytes"]),
     ("Checkpoints", ["checkpoint.interval_steps", "checkpoint.keep_last", "restart.max_restarts"]),
@@ -145,6 +146,11 @@ class NewRunForm(forms.Form):
         for key, message in errors.items():
             field = input_for(key)
             self.add_error(field, message if field else f"{key}: {message}")
+
+
+def field_label(error_key: str) -> str:
+    """How a message keyed by field path names its field on a page: the form's label where it has one."""
+    return CONFIG_LABELS.get(error_key.removeprefix("config."), error_key)
 
 
 def input_for(error_key: str) -> str | None:

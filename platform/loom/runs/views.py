@@ -1,5 +1,6 @@
 """The run pages. Thin: services decide, templates show, frontend/static/run.js keeps the run page live."""
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.db.models import Count, Q
 from django.http import Http404
@@ -11,7 +12,8 @@ from loom.alerts.models import Alert
 from trainer.config import world_size_of
 
 from . import services, states
-from .forms import NewRunForm, restore_inputs
+from .forms import NewRunForm, field_label, restore_inputs
+from .hardware import launch_gpus, launch_warnings
 
 # The run-level charts of the run and comparison pages: (element id, heading, the metrics API's series).
 SERIES_CHARTS = [
@@ -51,6 +53,9 @@ def new_run(request):
     except services.RunInputError as error:
         form.add_input_errors(error.errors)
         return render(request, "runs/new.html", {"form": form}, status=400)
+    # The run is created all the same; its page shows these once.
+    for key, message in launch_warnings(run.config, run.estimate, launch_gpus()).items():
+        messages.warning(request, f"{field_label(key)}: {message}")
     return redirect("run-detail", run_id=run.pk)
 
 
