@@ -17,10 +17,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-# Fixed parts of the model that ModelConfig does not expose: trainer/model.py builds with them and the
-# planner's exporters write them into other trainers' jobs, so both read them from here.
 ROPE_BASE = 10_000.0
-"""Base of the rotary position embedding's frequencies (Llama 2's; Llama 3 uses 500,000)."""
+"""model.rope_theta's default: Llama 2's base, the one loom's models have always been built with."""
+# A fixed part of the model that ModelConfig does not expose: trainer/model.py builds with it and the
+# planner's exporters write it into other trainers' jobs, so both read it from here.
 NORM_EPS = 1e-5
 """Epsilon RMSNorm adds to the mean square before the square root."""
 
@@ -39,6 +39,12 @@ class ModelConfig(_Section):
         BYTE_VOCAB, ge=BYTE_VOCAB, le=1_000_000, description="Vocabulary size; at least 256 for byte-level tokens."
     )
     seq_len: int = Field(128, ge=8, le=1_048_576, description="Tokens per training sequence.")
+    rope_theta: float = Field(
+        ROPE_BASE,
+        gt=0,
+        le=1e9,
+        description="Base of the rotary position embedding's frequencies: 10,000 in Llama 2, 500,000 in Llama 3.",
+    )
     mlp: Literal["swiglu", "gelu"] = Field(
         "swiglu", description="Feed-forward block: gated SwiGLU (three matrices) or GELU (two, as in GPT-3)."
     )

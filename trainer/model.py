@@ -113,7 +113,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict({str(index): Block(cfg, kernels) for index in range(cfg.layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, kernels)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab, bias=False)
-        cos, sin = rotary_tables(cfg.seq_len, cfg.dim // cfg.heads)
+        cos, sin = rotary_tables(cfg.seq_len, cfg.dim // cfg.heads, cfg.rope_theta)
         # Non-persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -147,3 +147,52 @@ def test_a_missing_file_and_a_bad_search_exit_2(tmp_path):
     assert missing.returncode == 2 and missing.stderr.startswith("config: cannot read")
     search = plan("search", "--model", "llama3-70b", "--global-batch", "0")
     assert search.returncode == 2 and search.stderr.startswith("global_batch:")
+
+
+def test_estimate_of_a_bare_preset_takes_and_prints_the_planning_defaults(tmp_path):
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"model": {"preset": "llama3-8b"}}))
+    answer = plan("estimate", str(bare))
+    assert answer.returncode == 0, answer.stderr
+    (line,) = [line for line in answer.stdout.splitlines() if line.startswith("Planning defaults")]
+    for taken in ("compute.recompute = selective", "data.micro_batch = 1", "parallel.dp_shard = 8"):
+        assert taken in line
+    assert "fits" in answer.stdout and "does NOT fit" not in answer.stdout
+    document = json.loads(plan("estimate", str(bare), "--json").stdout)
+    assert document["defaults"]["parallel.dp_shard"] == 8
+    assert document["config"]["data"]["micro_batch"] == 1 and document["memory"]["fits"]
+
+
+def test_a_stated_layout_is_not_widened_by_the_defaults(layout_file):
+    document = json.loads(plan("estimate", str(layout_file), "--nodes", "8", "--json").stdout)
+    assert document["defaults"] == {"compute.precision": "bf16"}
+    assert document["layout"]["world_size"] == 64 and document["config"]["data"]["micro_batch"] == 256
+
+
+def test_an_unknown_preset_names_the_presets():
+    answer = plan("search", "--model", "llama3-71b", "--global-batch", "8")
+    assert answer.returncode == 2
+    assert answer.stderr.startswith("model: 'llama3-71b' is neither a preset")
+    assert "llama3-70b" in answer.stderr and "cannot read" not in answer.stderr
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly():
+    """As `… | head -3` does: the pipe is closed before the planner writes its answer."""
+    search = subprocess.Popen(
+        [sys.executable, "-m", "trainer.plan", "search", "--model", "llama3-8b", "--global-batch", "16"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    search.stdout.close()
+    errors = search.stderr.read()
+    assert search.wait(timeout=300) == 0
+    assert errors == ""
+
+
+def test_export_warns_on_stderr_and_prints_only_the_job(layout_file):
+    answer = plan("export", str(layout_file), "--format", "torchtitan")
+    assert answer.returncode == 0, answer.stderr
+    assert tomllib.loads(answer.stdout)["optimizer"]["lr"] == 0.003
+    assert "warning: optimizer.lr: lr 0.003 is loom's demo default" in answer.stderr

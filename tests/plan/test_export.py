@@ -1,12 +1,13 @@
 """Exporting a layout to torchtitan and Megatron-LM: the same degrees, schedule, batch, precision and
 recompute, and a clear refusal where the other trainer has no equivalent."""
 
+import re
 import tomllib
 
 import pytest
 
 from trainer.config import parse_config
-from trainer.plan.export import ExportError, to_megatron_args, to_torchtitan_toml
+from trainer.plan.export import ExportError, export_job, to_megatron_args, to_torchtitan_toml
 from trainer.plan.presets import with_preset
 from trainer.plan.search import search
 
@@ -292,3 +293,80 @@ def test_searched_layouts_export_or_are_refused_with_a_field():
                     job = tomllib.loads(text)
                     assert job["parallelism"]["tensor_parallel_degree"] == found.config.parallel.tp
                     assert job["parallelism"]["pipeline_parallel_degree"] == found.config.parallel.pp
+
+
+# Each preset's published shape, from its model card, paper or released config (never from
+# trainer/plan/presets.py): layers, hidden size, heads, key/value heads, feed-forward size, vocabulary,
+# training sequence length, rotary base (None: GPT-3 learns absolute positions).
+PUBLISHED_SHAPES = {
+    "llama2-7b": (32, 4096, 32, 32, 11008, 32000, 4096, 10_000),
+    "llama2-13b": (40, 5120, 40, 40, 13824, 32000, 4096, 10_000),
+    "llama2-70b": (80, 8192, 64, 8, 28672, 32000, 4096, 10_000),
+    "llama3-8b": (32, 4096, 32, 8, 14336, 128256, 8192, 500_000),
+    "llama3-70b": (80, 8192, 64, 8, 28672, 128256, 8192, 500_000),
+    "llama3-405b": (126, 16384, 128, 8, 53248, 128256, 8192, 500_000),
+    "gpt3-175b": (96, 12288, 96, 96, 4 * 12288, 50257, 2048, None),
+    "mixtral-8x7b": (32, 4096, 32, 8, 14336, 32000, 32768, 1_000_000),
+}
+# Megatron-LM pads a vocabulary to a multiple of 128 × 8 where tensor parallelism would not split it.
+MEGATRON_VOCAB_MULTIPLE = 128 * 8
+
+
+def trained_vocab(published: int) -> int:
+    return published if published % 8 == 0 else -(-published // MEGATRON_VOCAB_MULTIPLE) * MEGATRON_VOCAB_MULTIPLE
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED_SHAPES))
+def test_megatron_arguments_carry_each_presets_published_shape(preset):
+    layers, hidden, heads, kv_heads, ffn, vocab, seq_len, rope_theta = PUBLISHED_SHAPES[preset]
+    arguments = megatron(config_of({}, 1, model={"preset": preset}))
+    assert int(arguments["--num-layers"]) == layers
+    assert int(arguments["--hidden-size"]) == hidden
+    assert int(arguments["--num-attention-heads"]) == heads
+    assert int(arguments.get("--num-query-groups", heads)) == kv_heads
+    assert int(arguments["--ffn-hidden-size"]) == ffn
+    # NullTokenizer adds an end-of-document id to --vocab-size; nothing pads the sum.
+    assert arguments["--tokenizer-type"] == "NullTokenizer"
+    assert arguments["--make-vocab-size-divisible-by"] == "1"
+    assert int(arguments["--vocab-size"]) + 1 == trained_vocab(vocab)
+    assert int(arguments["--seq-length"]) == seq_len
+    if rope_theta is not None:
+        assert float(arguments["--rotary-base"]) == rope_theta
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED_SHAPES))
+def test_torchtitan_jobs_carry_each_presets_published_shape_or_name_what_they_cannot(preset):
+    layers, hidden, heads, kv_heads, ffn, vocab, seq_len, rope_theta = PUBLISHED_SHAPES[preset]
+    config = config_of({}, 1, model={"preset": preset})
+    if preset in ("gpt3-175b", "mixtral-8x7b"):
+        with pytest.raises(ExportError) as refused:
+            to_torchtitan_toml(config)
+        assert set(refused.value.errors) & {"model.mlp", "model.experts"}
+        return
+    text = to_torchtitan_toml(config)
+    (flavor,) = re.findall(r"TransformerModelArgs\((.*?)\)", text)
+    arguments = dict(pair.split("=") for pair in flavor.split(", "))
+    assert int(arguments["n_layers"]) == layers
+    assert int(arguments["dim"]) == hidden
+    assert int(arguments["n_heads"]) == heads
+    assert int(arguments["n_kv_heads"]) == kv_heads
+    assert f"feed-forward size of {ffn}" in text
+    assert int(arguments["vocab_size"]) == vocab
+    assert float(arguments["rope_theta"]) == rope_theta
+    job = tomllib.loads(text)
+    assert job["training"]["seq_len"] == seq_len
+    assert str(vocab) in job["model"]["hf_assets_path"] and "FILL IN" in job["model"]["hf_assets_path"]
+
+
+def test_the_demo_learning_rate_is_exported_as_set_with_a_warning():
+    demo = config_of(INTERLEAVED)
+    job = export_job(demo, "torchtitan")
+    assert tomllib.loads(job["text"])["optimizer"]["lr"] == 0.003
+    (warning,) = job["warnings"]
+    assert warning["field"] == "optimizer.lr" and "demo default" in warning["message"]
+    assert "70.6 billion parameters" in warning["message"]
+
+    chosen = config_of(INTERLEAVED, optimizer={"lr": 1.5e-4})
+    job = export_job(chosen, "megatron")
+    assert "--lr=0.00015 \\" in job["text"].splitlines()
+    assert job["warnings"] == []

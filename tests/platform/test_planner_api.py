@@ -2,6 +2,9 @@
 runs created with a cluster keeping their estimate: Django's test client against the real database."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from django.test import Client
@@ -13,6 +16,7 @@ from .helpers import TINY_CONFIG
 pytestmark = pytest.mark.django_db
 
 GIB = 2**30
+REPO = Path(__file__).resolve().parents[2]
 LLAMA3_8B_TP2 = {
     "model": {"preset": "llama3-8b"},
     "parallel": {"tp": 2, "dp_shard": 4},
@@ -82,6 +86,48 @@ def test_a_pipelined_estimate_draws_its_schedule(client, token):
 def test_a_bad_layout_is_a_400_naming_the_field(client, token, config, cluster, field, message):
     errors = field_errors(post(client, "/api/plan/estimate", {"config": config, "cluster": cluster}, token))
     assert message in errors[field]
+
+
+def test_the_api_and_the_cli_estimate_a_bare_preset_alike_with_the_planning_defaults(client, token, tmp_path):
+    bare = {"model": {"preset": "llama3-8b"}}
+    response = post(client, "/api/plan/estimate", {"config": bare}, token)
+    assert response.status_code == 200, response.content
+    from_api = response.json()
+    document = tmp_path / "bare.json"
+    document.write_text(json.dumps(bare))
+    cli = subprocess.run(
+        [sys.executable, "-m", "trainer.plan", "estimate", str(document), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout) == from_api
+    assert from_api["defaults"] == {
+        "compute.precision": "bf16",
+        "compute.recompute": "selective",
+        "data.micro_batch": 1,
+        "parallel.dp_shard": 8,
+    }
+    assert from_api["memory"]["fits"]
+
+
+def test_an_unknown_preset_is_a_400_naming_the_presets(client, token):
+    estimate = field_errors(post(client, "/api/plan/estimate", {"config": {"model": {"preset": "llama3-71b"}}}, token))
+    assert "'llama3-70b'" in estimate["model.preset"]
+    body = {"model": {"preset": "llama3-71b"}, "global_batch": 8}
+    assert "'llama3-70b'" in field_errors(post(client, "/api/plan/search", body, token))["model.preset"]
+
+
+def test_export_returns_the_demo_learning_rate_warning_and_the_defaults_it_took(client, token):
+    bare = {"model": {"preset": "llama3-70b"}, "parallel": {"tp": 8, "dp_shard": 8}}
+    answer = post(client, "/api/plan/export", {"config": bare, "format": "megatron"}, token).json()
+    assert "--lr=0.003 \\" in answer["text"].splitlines()
+    assert [warning["field"] for warning in answer["warnings"]] == ["optimizer.lr"]
+    assert answer["defaults"] == {"compute.precision": "bf16", "compute.recompute": "selective", "data.micro_batch": 1}
+    chosen = with_changes(bare, optimizer={"lr": 1.5e-4})
+    assert post(client, "/api/plan/export", {"config": chosen, "format": "megatron"}, token).json()["warnings"] == []
 
 
 def test_the_catalog_lists_presets_gpus_and_schedules(client, token):

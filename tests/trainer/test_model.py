@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from trainer.config import ModelConfig
-from trainer.model import Transformer
+from trainer.model import Transformer, rotary_tables
 
 TINY = ModelConfig(layers=2, dim=32, heads=4, kv_heads=4, ffn=64, vocab=256, seq_len=16)
 
@@ -63,6 +63,14 @@ def test_rotary_tables_are_not_saved_and_parameters_are_counted():
     assert not any(key.startswith("rope_") for key in model.state_dict())
     per_block = 4 * 32 * 32 + 3 * 32 * 64 + 2 * 32
     assert model.num_params() == 2 * 256 * 32 + TINY.layers * per_block + 32
+
+
+def test_rotary_tables_are_built_with_the_models_rope_theta():
+    llama3 = Transformer(ModelConfig(**{**TINY.model_dump(), "rope_theta": 500_000.0}))
+    cos, sin = rotary_tables(TINY.seq_len, TINY.dim // TINY.heads, 500_000.0)
+    torch.testing.assert_close(llama3.rope_cos, cos)
+    torch.testing.assert_close(llama3.rope_sin, sin)
+    assert not torch.allclose(llama3.rope_cos, Transformer(TINY).rope_cos)
 
 
 def test_sequences_longer_than_the_model_are_refused():

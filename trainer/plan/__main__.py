@@ -7,21 +7,26 @@
     python -m trainer.plan export CONFIG.json --format torchtitan|megatron
 
 CONFIG.json is a run-config document (a model preset allowed: {"model": {"preset": "llama3-70b"}});
-MODEL.json a model section, or a run config whose model section is used. Cluster flags override the
-fields of --cluster. --json prints `Estimate.to_json(timeline=False)` or `SearchResult.to_json()`.
-Invalid input exits with status 2 and one "field: message" line per error on stderr.
+fields it leaves out take the planner's defaults (trainer.plan.defaults, the designer's too), which
+estimate prints and export lists on stderr. MODEL.json is a model section, or a run config whose model
+section is used. Cluster flags override the fields of --cluster. --json prints
+`Estimate.to_json(timeline=False)` with the defaults taken, or `SearchResult.to_json()`.
+Invalid input exits with status 2 and one "field: message" line per error on stderr; export's
+warnings go to stderr too, so its standard output is the job alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from trainer.config import ConfigError, parse_config
-from trainer.plan.estimate import Estimate, estimate
-from trainer.plan.export import to_megatron_args, to_torchtitan_toml
+from trainer.plan.defaults import planned_estimate, with_planning_defaults
+from trainer.plan.estimate import Estimate
+from trainer.plan.export import export_job
 from trainer.plan.hardware import GIB, GPU_TYPES
 from trainer.plan.presets import MODEL_PRESETS, with_preset
 from trainer.plan.search import Found, SearchResult, search
@@ -38,7 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         for field, message in error.errors.items():
             print(f"{field}: {message}", file=sys.stderr)
         return INVALID
-    print(output)
+    try:
+        print(output, flush=True)
+    except BrokenPipeError:
+        # The reader (`| head`) has what it wanted. Python's exit would flush stdout into the closed
+        # pipe again and print a traceback, so stdout is pointed at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -106,6 +116,10 @@ def cluster_of(arguments: argparse.Namespace) -> dict:
 def model_of(argument: str) -> object:
     if argument in MODEL_PRESETS:
         return {"preset": argument}
+    if not Path(argument).exists():
+        raise ConfigError(
+            {"model": f"{argument!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a model file (MODEL.json)"}
+        )
     document = read_json(argument, "model")
     if isinstance(document, dict) and isinstance(document.get("model"), dict):
         return document["model"]
@@ -116,13 +130,20 @@ def model_of(argument: str) -> object:
 
 
 def run_estimate(arguments: argparse.Namespace) -> str:
-    result = estimate(read_json(arguments.config, "config"), cluster_of(arguments), timeline=False)
+    result, defaults = planned_estimate(read_json(arguments.config, "config"), cluster_of(arguments), timeline=False)
     if arguments.json:
-        return json.dumps(result.to_json(timeline=False), indent=2)
-    return describe_estimate(result)
+        return json.dumps({**result.to_json(timeline=False), "defaults": defaults}, indent=2)
+    return describe_estimate(result, defaults)
 
 
-def describe_estimate(result: Estimate) -> str:
+def defaults_line(defaults: dict) -> str:
+    if not defaults:
+        return "Planning defaults: none (CONFIG.json sets every field they cover)"
+    taken = ", ".join(f"{path} = {value}" for path, value in defaults.items())
+    return f"Planning defaults for what CONFIG.json leaves out: {taken}"
+
+
+def describe_estimate(result: Estimate, defaults: dict) -> str:
     layout, cluster = result.layout, result.cluster
     parallel = layout.parallel
     header = (
@@ -135,7 +156,7 @@ def describe_estimate(result: Estimate) -> str:
     )
     return "\n\n".join(
         [
-            header,
+            header + "\n" + defaults_line(defaults),
             memory_table(result),
             time_table(result),
             throughput_lines(result),
@@ -251,11 +272,14 @@ def search_row(rank: str, found: Found) -> list[str]:
 
 
 def run_export(arguments: argparse.Namespace) -> str:
-    document = read_json(arguments.config, "config")
+    document, defaults = with_planning_defaults(read_json(arguments.config, "config"))
     config = parse_config(with_preset(document) if isinstance(document, dict) else document, runnable=False)
-    if arguments.format == "torchtitan":
-        return to_torchtitan_toml(config).rstrip("\n")
-    return " \\\n".join(to_megatron_args(config))
+    job = export_job(config, arguments.format)
+    if defaults:
+        print(defaults_line(defaults), file=sys.stderr)
+    for warning in job["warnings"]:
+        print(f"warning: {warning['field']}: {warning['message']}", file=sys.stderr)
+    return job["text"].rstrip("\n")
 
 
 # ---- text tables ----

@@ -22,21 +22,54 @@ Megatron-LM, whose argument list has no room for comments:
   matmuls); loom's recomputes the attention sub-block with its projections, so it keeps less.
 - Megatron computes the loss on vocabulary-parallel logits whatever parallel.loss_parallel says
   (the same numbers); compute.compile and compute.kernels are loom's own and not carried over.
-- The data, the tokenizer (it must have model.vocab tokens; `--make-vocab-size-divisible-by=1` keeps
-  Megatron from padding them) and checkpointing are left to the user's own arguments.
+- The vocabulary travels as `--tokenizer-type=NullTokenizer --vocab-size=<model.vocab − 1>`: Megatron's
+  NullTokenizer adds one end-of-document id to the size it is given, and
+  `--make-vocab-size-divisible-by=1` keeps Megatron from padding the total, so the model gets exactly
+  model.vocab rows. NullTokenizer reads pre-tokenized ids; for text, replace both with
+  `--tokenizer-type=HuggingFaceTokenizer --tokenizer-model=<your tokenizer, with model.vocab tokens>`.
+  torchtitan takes the vocabulary from the model flavor and reads the tokenizer from
+  `[model] hf_assets_path`, exported as a placeholder to fill in.
+- The data and checkpointing are left to the user's own arguments.
+
+Both carry what the run config holds, the optimizer's learning rate included; `export_warnings` says
+when that is loom's demo default rather than a rate chosen for the model.
 """
 
 from __future__ import annotations
 
 import math
 
-from trainer.config import NORM_EPS, ROPE_BASE, ConfigError, RunConfig
+from trainer.config import NORM_EPS, ConfigError, OptimizerConfig, RunConfig
+from trainer.plan.parameters import total_parameters
+from trainer.plan.terms import count
 
 MEGATRON_SCHEDULES = ("1F1B", "Interleaved1F1B")
+DEMO_LR = OptimizerConfig.model_fields["lr"].default
+TOKENIZER_PLACEHOLDER = "FILL IN: the directory of a Hugging Face tokenizer with {vocab} tokens"
 
 
 class ExportError(ConfigError):
     """The layout has no equivalent in the target trainer; `errors` maps the field to change to why."""
+
+
+def export_job(config: RunConfig, export_format: str) -> dict:
+    """{"format", "text", "warnings": [{field, message}]}: the job in `export_format` (a key of
+    EXPORTERS) and what in it the user should look at before running it."""
+    return {"format": export_format, "text": EXPORTERS[export_format](config), "warnings": export_warnings(config)}
+
+
+def export_warnings(config: RunConfig) -> list[dict]:
+    optimizer = config.optimizer
+    if optimizer.lr != DEMO_LR:
+        return []
+    parameters = total_parameters(config.model)
+    size = f"{parameters / 1e9:,.1f} billion" if parameters >= 1e9 else count(parameters)
+    message = (
+        f"lr {DEMO_LR:g} is loom's demo default, sized for its small CPU models, and is exported as is for "
+        f"this model of {size} parameters; large models train at a few 1e-4 "
+        "(Llama 3 8B: 3e-4, 70B: 1.5e-4, 405B: 8e-5): set optimizer.lr"
+    )
+    return [{"field": "optimizer.lr", "message": message}]
 
 
 def precision_of(config: RunConfig) -> str:
@@ -105,13 +138,18 @@ def torchtitan_model(config: RunConfig) -> tuple[list[str], list[tuple[str, obje
     note = (
         f'torchtitan builds models from registered flavors: register "loom" in torchtitan/models/llama3 as '
         f"TransformerModelArgs(dim={model.dim}, n_layers={model.layers}, n_heads={model.heads}, "
-        f"n_kv_heads={model.kv_heads}, vocab_size={model.vocab}, rope_theta={ROPE_BASE:g}, "
+        f"n_kv_heads={model.kv_heads}, vocab_size={model.vocab}, rope_theta={model.rope_theta:g}, "
         f"norm_eps={NORM_EPS:g}) with ffn_dim_multiplier and multiple_of giving a feed-forward size of {model.ffn}"
     )
-    items: list[tuple[str, object]] = [("name", "llama3"), ("flavor", "loom")]
+    tokenizer_note = f"hf_assets_path: the tokenizer, which must have model.vocab = {model.vocab} tokens"
+    items: list[tuple[str, object]] = [
+        ("name", "llama3"),
+        ("flavor", "loom"),
+        ("hf_assets_path", TOKENIZER_PLACEHOLDER.format(vocab=model.vocab)),
+    ]
     if precision_of(config) == "fp8":
         items.append(("converters", ["float8"]))
-    return [note], items
+    return [note, tokenizer_note], items
 
 
 def torchtitan_optimizer(config: RunConfig) -> list[tuple[str, object]]:
@@ -282,11 +320,13 @@ def megatron_model(config: RunConfig) -> list[str]:
         f"--ffn-hidden-size={model.ffn}",
         f"--seq-length={model.seq_len}",
         f"--max-position-embeddings={model.seq_len}",
+        "--tokenizer-type=NullTokenizer",
+        f"--vocab-size={model.vocab - 1}",
         "--make-vocab-size-divisible-by=1",
         "--normalization=RMSNorm",
         f"--norm-epsilon={NORM_EPS:g}",
         "--position-embedding-type=rope",
-        f"--rotary-base={ROPE_BASE:g}",
+        f"--rotary-base={model.rope_theta:g}",
         "--disable-bias-linear",
         "--attention-dropout=0.0",
         "--hidden-dropout=0.0",
@@ -366,3 +406,10 @@ def refuse(reasons: dict[str, tuple[bool, str]]) -> None:
     errors = {field: message for field, (refused, message) in reasons.items() if refused}
     if errors:
         raise ExportError(errors)
+
+
+EXPORTERS = {
+    "torchtitan": to_torchtitan_toml,
+    # One argument per line, ready to paste after `torchrun pretrain_gpt.py \`.
+    "megatron": lambda config: " \\\n".join(to_megatron_args(config)),
+}

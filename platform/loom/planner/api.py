@@ -33,9 +33,16 @@ class ExportIn(Schema):
     format: Any = None
 
 
+class ExportWarning(Schema):
+    field: str
+    message: str
+
+
 class ExportOut(Schema):
     format: str
     text: str
+    warnings: list[ExportWarning]
+    defaults: dict[str, Any]
 
 
 def answer(compute):
@@ -78,5 +85,6 @@ def traffic(request, body: LayoutIn):
 
 @router.post("/export", response={200: ExportOut, 400: FieldErrors})
 def export(request, body: ExportIn):
-    """The layout as a torchtitan TOML file or Megatron-LM command-line arguments."""
+    """The layout as a torchtitan TOML file or Megatron-LM command-line arguments, and warnings
+    ({field, message}) about what it carries over as is (a demo learning rate)."""
     return answer(lambda: services.export_layout(body.config, body.format))

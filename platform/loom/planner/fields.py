@@ -5,11 +5,14 @@ import typing
 from typing import Literal
 
 from loom.runs.forms import CONFIG_LABELS, MODEL_SHAPE_PATHS, PARALLEL_PATHS, config_field, form_value
+from trainer.plan.defaults import planning_defaults
 from trainer.plan.hardware import GPU_TYPES, ClusterSpec
-from trainer.plan.presets import MODEL_PRESETS
+from trainer.plan.presets import preset_model
 
 CLUSTER_PREFIX = "cluster."
 CLUSTER_LABELS = {"cluster.gpu": "GPU", "cluster.nodes": "Nodes", "cluster.gpus_per_node": "GPUs per node"}
+# Fields only the designer asks for; the new-run form's labels cover the rest.
+PLANNER_LABELS = {"model.rope_theta": "RoPE base (theta)"}
 
 # (section heading, [field path]): paths under "cluster." are ClusterSpec fields, the others
 # run-config fields. Beyond what the new-run form asks, the designer offers what the planner
@@ -17,7 +20,15 @@ CLUSTER_LABELS = {"cluster.gpu": "GPU", "cluster.nodes": "Nodes", "cluster.gpus_
 DESIGN_SECTIONS = [
     (
         "Model",
-        [*MODEL_SHAPE_PATHS, "model.vocab", "model.mlp", "model.tie_embeddings", "model.experts", "model.top_k"],
+        [
+            *MODEL_SHAPE_PATHS,
+            "model.vocab",
+            "model.rope_theta",
+            "model.mlp",
+            "model.tie_embeddings",
+            "model.experts",
+            "model.top_k",
+        ],
     ),
     ("Parallelism", [*PARALLEL_PATHS, "parallel.zero_stage", "parallel.ep"]),
     ("Compute and data", ["compute.precision", "compute.recompute", "data.micro_batch", "steps"]),
@@ -25,12 +36,11 @@ DESIGN_SECTIONS = [
 ]
 
 STARTING_PRESET = "llama3-8b"
+# The preset on the default cluster with the planner's defaults: what the CLI and the API estimate
+# for {"model": {"preset": "llama3-8b"}} alone.
 STARTING_VALUES = {
-    "parallel.dp_shard": 8,
-    "compute.precision": "bf16",
-    "compute.recompute": "selective",
-    "data.micro_batch": 1,
-    **{f"model.{name}": value for name, value in MODEL_PRESETS[STARTING_PRESET].items()},
+    **planning_defaults({"model": {"preset": STARTING_PRESET}}),
+    **{f"model.{name}": value for name, value in preset_model(STARTING_PRESET).model_dump().items()},
 }
 
 
@@ -60,7 +70,7 @@ def design_input(path: str) -> dict:
     return {
         "path": path,
         "id": "design-" + path.replace(".", "-"),
-        "label": (CONFIG_LABELS | CLUSTER_LABELS)[path],
+        "label": (CONFIG_LABELS | CLUSTER_LABELS | PLANNER_LABELS)[path],
         "help": field.description,
         "value": "" if value is None else form_value(value),
         "options": options,

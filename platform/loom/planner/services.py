@@ -6,8 +6,9 @@ Every function raises ConfigError whose `errors` are keyed by the field to chang
 ("parallel.tp"), cluster fields ("cluster.gpu") or the request's own fields ("global_batch")."""
 
 from trainer.config import PIPELINE_SCHEDULES, ConfigError, RunConfig, parse_config
+from trainer.plan.defaults import planned_estimate, with_planning_defaults
 from trainer.plan.estimate import estimate, parse_plan
-from trainer.plan.export import to_megatron_args, to_torchtitan_toml
+from trainer.plan.export import EXPORTERS, export_job
 from trainer.plan.hardware import GPU_TYPES, ClusterSpec
 from trainer.plan.presets import MODEL_PRESETS, preset_model, with_preset
 from trainer.plan.search import search
@@ -15,11 +16,6 @@ from trainer.plan.traffic import predicted_matrix
 
 TERA = 1e12
 SEARCH_LIMIT_MAX = 100
-EXPORTERS = {
-    "torchtitan": to_torchtitan_toml,
-    # One argument per line, ready to paste after `torchrun pretrain_gpt.py \`.
-    "megatron": lambda config: " \\\n".join(to_megatron_args(config)),
-}
 # What a run keeps of its estimate: the headline numbers and where they came from, not the
 # per-op communication breakdown or the per-rank memory terms the designer draws.
 STORED_MEMORY_KEYS = ("capacity_bytes", "peak_bytes", "peak_allocated_bytes", "peak_pp_rank", "fits")
@@ -46,8 +42,10 @@ def catalog() -> dict:
 
 
 def estimate_layout(document, cluster) -> dict:
-    """The full estimate the designer draws, schedule timeline included."""
-    return estimate(document, cluster).to_json()
+    """The full estimate the designer draws, schedule timeline included, with the planning defaults
+    (trainer.plan.defaults) the document took where it left fields out."""
+    result, defaults = planned_estimate(document, cluster)
+    return {**result.to_json(), "defaults": defaults}
 
 
 def estimate_for_run(config: dict, cluster) -> dict:
@@ -82,7 +80,7 @@ def search_layouts(model, cluster, global_batch, seq_len=None, precision="bf16",
 
 def predicted_traffic(document, cluster) -> dict:
     """Bytes each rank sends each other rank in one step, in total and per kind (tp, cp, dp, pp, …)."""
-    config, cluster_spec = parse_plan(document, cluster)
+    config, cluster_spec = parse_plan(with_planning_defaults(document, cluster)[0], cluster)
     try:
         matrix = predicted_matrix(config, cluster_spec)
     except ValueError as error:
@@ -91,16 +89,18 @@ def predicted_traffic(document, cluster) -> dict:
 
 
 def export_layout(document, export_format) -> dict:
-    """The layout as another trainer's configuration: a torchtitan TOML file or Megatron-LM arguments."""
+    """The layout as another trainer's configuration (a torchtitan TOML file or Megatron-LM arguments),
+    with warnings about what it carries over as is."""
     errors = {} if export_format in EXPORTERS else {"format": f"must be one of {list(EXPORTERS)}"}
     config = None
+    completed, defaults = with_planning_defaults(document)
     try:
-        config = parse_layout(document)
+        config = parse_layout(completed)
     except ConfigError as error:
         errors |= error.errors
     if errors:
         raise ConfigError(errors)
-    return {"format": export_format, "text": EXPORTERS[export_format](config)}
+    return {**export_job(config, export_format), "defaults": defaults}
 
 
 def parse_layout(document) -> RunConfig:
