@@ -444,8 +444,9 @@ class AlertsConfig(_Section):
         gt=0,
         lt=1,
         description=(
-            "A rank whose step time is above the step's median over all ranks divided by this, straggler_steps steps "
-            "running, is a straggler (the score nvidia-resiliency-ext uses: median / own time below 0.7)."
+            "A rank whose step time is above the step's median over the ranks of its pipeline stage divided by this, "
+            "straggler_steps steps running, is a straggler (the score nvidia-resiliency-ext uses: median / own time "
+            "below 0.7)."
         ),
     )
     straggler_steps: int = Field(5, ge=1, le=1000, description="Consecutive slow steps that make a straggler.")

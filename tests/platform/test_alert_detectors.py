@@ -7,7 +7,7 @@ import pytest
 
 from loom.alerts import detectors
 from loom.alerts.detectors import StepRow
-from trainer.config import AlertsConfig
+from trainer.config import AlertsConfig, ParallelConfig
 
 CONFIG = AlertsConfig()
 TOKENS_PER_STEP = 10_000
@@ -151,6 +151,60 @@ def test_a_rank_slower_by_a_few_milliseconds_is_no_straggler_however_high_its_ra
     assert detectors.stragglers(times, CONFIG, str) == []
     (finding,) = detectors.stragglers(times, AlertsConfig(straggler_min_excess_s=0.01), str)
     assert finding.rank == 0
+
+
+TP2_PP2 = ParallelConfig(tp=2, pp=2, microbatches=2)
+
+
+def pipeline_step_times(steps, ranks, parallel, stage_seconds, slow_rank=None, factor=1.0):
+    """Each rank's time is its pipeline rank's in stage_seconds, with 3 % noise and slow_rank `factor` times slower."""
+    stage = detectors.pipeline_peers(parallel)
+    rng = random.Random(4)
+    return {
+        step: {
+            rank: stage_seconds[stage(rank)] * (factor if rank == slow_rank else 1.0) * (1 + rng.gauss(0, 0.03))
+            for rank in range(ranks)
+        }
+        for step in steps
+    }
+
+
+def test_a_pipelines_last_stage_doing_more_work_is_no_straggler():
+    # tp2 x pp2 as measured on two cores: the last stage (ranks 2 and 3) computes the output layer and the
+    # loss, and the first stage's ranks wait for it, so their own work is a fraction of the last stage's.
+    stages = {"pipeline rank 0": 0.03, "pipeline rank 1": 0.15}
+    times = pipeline_step_times(range(1, 11), 4, TP2_PP2, stages)
+    assert detectors.stragglers(times, CONFIG, str, "compute time", detectors.pipeline_peers(TP2_PP2)) == []
+    # Against every rank of the run the last stage stands out.
+    assert [f.rank for f in detectors.stragglers(times, CONFIG, str, "compute time")] == [2, 3]
+
+
+def test_a_rank_slower_than_its_peer_in_the_same_pipeline_stage_is_a_straggler():
+    stages = {"pipeline rank 0": 0.03, "pipeline rank 1": 0.15}
+    times = pipeline_step_times(range(1, 11), 4, TP2_PP2, stages, slow_rank=3, factor=4.0)
+    (finding,) = detectors.stragglers(times, CONFIG, str, "compute time", detectors.pipeline_peers(TP2_PP2))
+    assert (finding.rank, finding.step) == (3, 10)
+    assert finding.details["peer_group"] == "pipeline rank 1"
+    assert "against a median of" in finding.message and "among the ranks of pipeline rank 1" in finding.message
+    # The median is its stage's (0.15 and 0.6 s: 0.375 s), not the run's (0.09 s).
+    assert all(0.3 < median < 0.45 for median in finding.details["medians"])
+    # A first-stage rank as slow as the last stage is slow for its own stage.
+    times = pipeline_step_times(range(1, 11), 4, TP2_PP2, stages, slow_rank=0, factor=5.0)
+    peers = detectors.pipeline_peers(TP2_PP2)
+    assert [f.rank for f in detectors.stragglers(times, CONFIG, str, "compute time", peers)] == [0]
+
+
+def test_a_rank_alone_in_its_pipeline_stage_has_no_peer_to_straggle_behind():
+    parallel = ParallelConfig(pp=2, microbatches=2)
+    times = pipeline_step_times(range(1, 11), 2, parallel, {"pipeline rank 0": 0.02, "pipeline rank 1": 0.2})
+    assert detectors.stragglers(times, CONFIG, str, "compute time", detectors.pipeline_peers(parallel)) == []
+
+
+def test_pipeline_peers_are_the_ranks_of_one_pipeline_rank_whatever_the_other_dims():
+    parallel = ParallelConfig(pp=2, dp_shard=2, tp=2, microbatches=2)
+    peers = detectors.pipeline_peers(parallel)
+    assert [peers(rank) for rank in range(8)] == ["pipeline rank 0"] * 4 + ["pipeline rank 1"] * 4
+    assert {detectors.pipeline_peers(ParallelConfig(dp_replicate=4))(rank) for rank in range(4)} == {""}
 
 
 def test_non_finite_reports_make_one_critical_finding_at_the_first_bad_step():

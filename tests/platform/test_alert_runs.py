@@ -2,6 +2,8 @@
 a rank hung by fault injection each open their alert with the right rank and step within seconds, and a
 clean run of the same config opens none."""
 
+import statistics
+
 import pytest
 from celery.beat import EmbeddedService
 
@@ -11,6 +13,9 @@ from loom.celery import app as celery_app
 from loom.runs import states
 from loom.runs.models import Run
 from loom.runs.services import cancel_run, create_run
+from loom.telemetry.models import RankStep
+from trainer.config import AlertsConfig, ParallelConfig
+from trainer.plan.memory import rank_coordinates
 
 from ..conftest import wait_for
 from .helpers import TINY_CONFIG
@@ -185,3 +190,77 @@ def test_a_spike_a_slowdown_and_a_leak_open_their_alerts_and_a_clean_run_none(li
     (creep,) = found["leaking"].values()
     assert creep.rule == detectors.MEMORY_CREEP and creep.rank in range(RANKS)
     assert creep.details["last_third_bytes"] >= 1.1 * creep.details["first_third_bytes"]
+
+
+CLEAN_LAYOUTS = {
+    "tp2 x pp2": {"tp": 2, "pp": 2, "microbatches": 2},
+    "pp2": {"pp": 2, "microbatches": 2},
+    "dp2": {"dp_replicate": 2},
+}
+PIPELINE_SLOW_RANK = 3
+
+
+def compute_times(run: Run) -> dict[int, dict[int, float]]:
+    """Each step's compute time by rank, as the run stored them."""
+    times: dict[int, dict[int, float]] = {}
+    for step, rank, seconds in RankStep.objects.filter(run=run).values_list("step", "rank", "compute_s"):
+        times.setdefault(step, {})[rank] = seconds
+    return times
+
+
+def test_clean_pipeline_runs_raise_no_straggler_and_a_slowed_stage_rank_is_caught(live_platform, platform_user):
+    """A pipeline's last stage does more work than its first (the output layer and the loss), and the first
+    stage's ranks wait for it. Clean runs of pipeline layouts, and of 2-rank DDP, raise no straggler in any
+    window of their steps (live_platform's teardown also asserts that the watcher opened nothing on them),
+    while the rank of a stage slowed against its tp peer is the one straggler of its run."""
+    user = platform_user[0]
+    runs = {
+        name: create_run(user, f"clean {name}", {**TINY_CONFIG, "steps": 24, "parallel": parallel})
+        for name, parallel in CLEAN_LAYOUTS.items()
+    }
+    slowed = create_run(
+        user,
+        "slowed tp2 x pp2",
+        {
+            **TINY_CONFIG,
+            "steps": 24,
+            "parallel": CLEAN_LAYOUTS["tp2 x pp2"],
+            "faults": {"slow_rank": PIPELINE_SLOW_RANK, "slow_ms": 300},
+        },
+    )
+    for run in [*runs.values(), slowed]:
+        wait_for(
+            lambda run=run: Run.objects.filter(pk=run.pk, state__in=states.TERMINAL).exists(),
+            timeout=300,
+            message=f"{run.name} to end",
+        )
+        run.refresh_from_db()
+        assert run.state == states.SUCCEEDED, [(a.number, a.state, a.failure_reason) for a in run.attempts.all()]
+
+    config = AlertsConfig()
+    for name, run in runs.items():
+        parallel = ParallelConfig.model_validate(CLEAN_LAYOUTS[name])
+        # Every rank's place in the mesh, as the trainer's DeviceMesh reported it, is where the detector
+        # places it.
+        started = run.events.filter(kind="state", rank__gte=0, payload__state="started")
+        reported = {event.rank: event.payload["mesh"] for event in started}
+        assert reported == {rank: rank_coordinates(parallel, rank) for rank in range(parallel.world_size)}
+        # The watcher judges a run at most once a second; every window of straggler_steps steps is judged here.
+        times = compute_times(run)
+        steps = sorted(times)
+        peers = detectors.pipeline_peers(parallel)
+        for end in range(config.straggler_steps, len(steps) + 1):
+            window = {step: times[step] for step in steps[end - config.straggler_steps : end]}
+            assert detectors.stragglers(window, config, str, "compute time", peers) == [], (name, window)
+
+    # What makes the whole run the wrong comparison: the last stage's own work is above the first's.
+    times = compute_times(runs["tp2 x pp2"])
+    stage_work = [
+        statistics.median(seconds[rank] for seconds in times.values() for rank in stage) for stage in ((0, 1), (2, 3))
+    ]
+    assert stage_work[1] > stage_work[0]
+
+    (straggler,) = Alert.objects.filter(run=slowed)
+    assert (straggler.rule, straggler.rank) == (detectors.STRAGGLER, PIPELINE_SLOW_RANK)
+    assert straggler.details["peer_group"] == "pipeline rank 1"
+    assert "among the ranks of pipeline rank 1" in straggler.message

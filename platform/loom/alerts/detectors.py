@@ -6,12 +6,14 @@ robust z-score (median and scaled median absolute deviation, which one outlier c
 mean and standard deviation can); conditions (a drop, creep, a straggler) by the latest steps.
 """
 
+import functools
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from trainer.config import AlertsConfig
+from trainer.config import AlertsConfig, ParallelConfig
+from trainer.plan.memory import rank_coordinates
 
 NON_FINITE = "non_finite"
 LOSS_SPIKE = "loss_spike"
@@ -179,39 +181,78 @@ def stragglers(
     config: AlertsConfig,
     host: Callable[[int], str],
     measure: str = "step time",
+    peer_group: Callable[[int], str] = lambda rank: "",
 ) -> list[Finding]:
-    """Ranks whose step time stayed above the step's median / straggler_score, and straggler_min_excess_s
-    above the median, for the last straggler_steps steps (each step with at least two ranks reporting), one
-    finding per rank, naming its host. `measure` names what the times are in the message."""
+    """Ranks whose step time stayed above their peers' median / straggler_score, and straggler_min_excess_s
+    above it, for the last straggler_steps steps (each step with at least two ranks reporting), one finding
+    per rank, naming its host. `measure` names what the times are in the message.
+
+    A rank's peers are the ranks with the same `peer_group` (named in the message when not empty): ranks
+    that do different work, as a pipeline's stages do, are never measured against each other, and a rank
+    alone in its group has no one to be slower than."""
     steps = sorted(step for step, times in step_times.items() if len(times) >= 2)[-config.straggler_steps :]
     if len(steps) < config.straggler_steps:
         return []
     slow: set[int] | None = None
     scores: dict[int, list[float]] = {}
+    medians: dict[int, list[float]] = {}
     for step in steps:
-        times = step_times[step]
-        median = statistics.median(times.values())
         slow_here = set()
-        for rank, seconds in times.items():
-            slow_enough = seconds - median >= config.straggler_min_excess_s
-            if seconds > 0 and median / seconds < config.straggler_score and slow_enough:
-                slow_here.add(rank)
-                scores.setdefault(rank, []).append(median / seconds)
+        for group in _peer_groups(step_times[step], peer_group):
+            median = statistics.median(group.values())
+            for rank, seconds in group.items():
+                medians.setdefault(rank, []).append(median)
+                slow_enough = seconds - median >= config.straggler_min_excess_s
+                if seconds > 0 and median / seconds < config.straggler_score and slow_enough:
+                    slow_here.add(rank)
+                    scores.setdefault(rank, []).append(median / seconds)
         slow = slow_here if slow is None else slow & slow_here
     findings = []
     for rank in sorted(slow or ()):
         node = host(rank)
         times = [step_times[step][rank] for step in steps]
-        medians = [statistics.median(step_times[step].values()) for step in steps]
         worst = min(scores[rank])
         where = f" on {node}" if node else ""
+        group = peer_group(rank)
+        among = f" among the ranks of {group}" if group else ""
         message = (
-            f"rank {rank}{where} is a straggler: {measure} {times[-1]:.3g} s against a median of {medians[-1]:.3g} s "
-            f"(score {medians[-1] / times[-1]:.2f} < {config.straggler_score:g}) for {len(steps)} steps"
+            f"rank {rank}{where} is a straggler: {measure} {times[-1]:.3g} s against a median of "
+            f"{medians[rank][-1]:.3g} s{among} (score {medians[rank][-1] / times[-1]:.2f} < "
+            f"{config.straggler_score:g}) for {len(steps)} steps"
         )
-        details = {"host": node, "steps": steps, "step_times": times, "medians": medians, "score": round(worst, 3)}
+        details = {
+            "host": node,
+            "steps": steps,
+            "step_times": times,
+            "medians": medians[rank],
+            "score": round(worst, 3),
+            "peer_group": group,
+        }
         findings.append(Finding(STRAGGLER, steps[-1], WARNING, message, rank=rank, ranks=(rank,), details=details))
     return findings
+
+
+def pipeline_peers(parallel: ParallelConfig) -> Callable[[int], str]:
+    """A rank's peer group for `stragglers`: its pipeline rank. The pipeline is the one mesh dim whose
+    positions do different work (the first stage embeds, the last computes the output layer and the loss,
+    and stages may hold unequal layers); tp, cp and data-parallel positions split a stage's work evenly (cp
+    in load-balanced chunks), so the ranks of one pipeline rank do the same work."""
+    if parallel.pp == 1:
+        return lambda rank: ""
+
+    @functools.cache
+    def group(rank: int) -> str:
+        return f"pipeline rank {rank_coordinates(parallel, rank)['pp']}"
+
+    return group
+
+
+def _peer_groups(times: dict[int, float], peer_group: Callable[[int], str]) -> list[dict[int, float]]:
+    """One step's times split by peer group, leaving out groups of one."""
+    groups: dict[str, dict[int, float]] = {}
+    for rank, seconds in times.items():
+        groups.setdefault(peer_group(rank), {})[rank] = seconds
+    return [group for group in groups.values() if len(group) >= 2]
 
 
 def non_finite(reports: Iterable[tuple[int, int, str, object]]) -> list[Finding]:

@@ -17,7 +17,7 @@ from django.db.models.functions import Coalesce
 
 from loom.runs.models import Attempt
 from loom.telemetry.models import RankStep
-from trainer.config import AlertsConfig
+from trainer.config import AlertsConfig, ParallelConfig
 
 from . import detectors
 from .detectors import StepRow
@@ -51,7 +51,8 @@ def evaluate(attempt: Attempt, non_finite_reports: list[tuple[int, int, str, obj
         findings += detectors.throughput_drop(rows, config)
         findings += detectors.memory_creep(_with_memory_rank(attempt, rows), config)
         times, measure = _step_times(attempt, config)
-        findings += detectors.stragglers(times, config, host, measure)
+        peers = detectors.pipeline_peers(ParallelConfig.model_validate(attempt.config.get("parallel", {})))
+        findings += detectors.stragglers(times, config, host, measure, peers)
     latest = max((row.step for row in rows), default=judged_through)
     with transaction.atomic():
         changes = record(attempt, findings, host)
