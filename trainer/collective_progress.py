@@ -27,7 +27,7 @@ PRUNE_AT = 4096
 class _Pending:
     op: str
     group: tuple[int, ...]
-    timing: object  # comm._Timing: issued_at, and completed_at once the op completes
+    timing: object  # comm._Timing: issued_at, in_flight, and completed_at once the op completes
 
 
 class CollectiveProgress:
@@ -80,9 +80,8 @@ class CollectiveProgress:
     def _prune(self) -> None:
         still = []
         for pending in self._pending:
-            completed_at = pending.timing.completed_at
-            if completed_at is None:
+            if pending.timing.in_flight:
                 still.append(pending)
-            else:
-                self._last_activity = max(self._last_activity, completed_at)
+            elif pending.timing.completed_at is not None:
+                self._last_activity = max(self._last_activity, pending.timing.completed_at)
         self._pending = still[-(PRUNE_AT // 2) :]

@@ -133,16 +133,23 @@ def hook_installed() -> bool:
 
 
 class _Timing:
-    """Issue time and, once the op reports it, completion time (perf_counter seconds)."""
+    """Issue time and, once the op reports it, completion time (perf_counter seconds). An op is in flight
+    until it completes or, if its Work never says it has, until the step that issued it has finished."""
 
-    __slots__ = ("issued_at", "completed_at")
+    __slots__ = ("issued_at", "completed_at", "in_flight")
 
     def __init__(self) -> None:
         self.issued_at = time.perf_counter()
         self.completed_at: float | None = None
+        self.in_flight = True
 
     def complete(self, *_: object) -> None:
         self.completed_at = time.perf_counter()
+        self.in_flight = False
+
+    def end_untimed(self) -> None:
+        """The op's step has finished but its Work never said when the op completed: it stays untimed."""
+        self.in_flight = False
 
     @property
     def duration_s(self) -> float | None:
@@ -197,7 +204,8 @@ class CollectiveCapture:
         self._poller.stop()
 
     def take(self) -> list[tuple[CommOp, _Timing]]:
-        self._poller.poll()
+        """The ops kept since the last take; called once the step that issued them has finished."""
+        self._poller.step_finished()
         with self._lock:
             records, self._records = self._records, []
         return records
@@ -279,7 +287,12 @@ class CollectiveCapture:
 class _CompletionPoller:
     """Completes the timings of ops whose Work has no future (gloo's send and recv) from a thread of its
     own, which asks each pending Work whether it has completed every POLL_S while any is pending; a
-    pipeline stage's wait for its neighbour is then measured too. A timing is late by up to POLL_S."""
+    pipeline stage's wait for its neighbour is then measured too. A timing is late by up to POLL_S.
+
+    A Work is watched only until the step that issued it has finished. Some never say they have completed:
+    gloo's reduce-scatter returns a Work that does its part of the op inside wait() and never marks itself
+    complete, and it holds a copy of the op's input and its output: watched until it completed, every
+    reduce-scatter of every FSDP step would stay in memory for the rest of the run."""
 
     POLL_S = 0.001
 
@@ -300,20 +313,22 @@ class _CompletionPoller:
         self._wake.set()
 
     def poll(self) -> None:
-        """Complete every pending timing whose Work has completed; called by the thread, and before a step's
-        records are taken so a Work that completed since the last poll is not left untimed."""
+        """Complete every pending timing whose Work has completed."""
+        # Under the lock throughout: a Work this thread held outside it would escape step_finished.
         with self._lock:
-            pending, self._pending = self._pending, []
-        waiting = []
-        for work, timing in pending:
-            if work.is_completed():
-                timing.complete()
-            else:
-                waiting.append((work, timing))
-        with self._lock:
-            self._pending += waiting
+            self._pending = [(work, timing) for work, timing in self._pending if not _completed(work, timing)]
             if not self._pending:
                 self._wake.clear()
+
+    def step_finished(self) -> None:
+        """Complete the timings whose Work has completed since the last poll, and let go of every other Work:
+        a step's ops are over once it has finished, whether or not their Work says so."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._wake.clear()
+        for work, timing in pending:
+            if not _completed(work, timing):
+                timing.end_untimed()
 
     def stop(self) -> None:
         with self._lock:
@@ -326,6 +341,14 @@ class _CompletionPoller:
             self._wake.wait()
             self.poll()
             time.sleep(self.POLL_S)
+
+
+def _completed(work: Any, timing: _Timing) -> bool:
+    """Whether the Work has completed, completing its timing if so."""
+    if not work.is_completed():
+        return False
+    timing.complete()
+    return True
 
 
 def _time_work(output: Any, timing: _Timing, poller: _CompletionPoller) -> None:

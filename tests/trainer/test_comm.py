@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -306,6 +307,28 @@ def test_progress_counts_each_groups_collectives_and_names_the_op_still_in_fligh
     assert 0 <= done["quiet_s"] < 60
 
 
+def test_a_finished_steps_work_keeps_no_tensor_alive(capture):
+    """gloo's reduce-scatter returns a Work that never says it has completed and holds the op's tensors: once
+    the step has finished the capture lets go of it, else FSDP's gradient buffers pile up step after step."""
+    output = floats(4)
+    output_alive = weakref.ref(output)
+    with capture:
+        dist.reduce_scatter_single(output, floats(4))
+    capture.take()
+    del output
+    assert output_alive() is None
+
+
+def test_an_op_whose_work_never_says_it_completed_is_in_flight_only_until_its_step_has_finished(capture):
+    with capture:
+        dist.reduce_scatter_single(floats(4), floats(4))
+    during_the_step = capture.progress.snapshot()
+    ((op, timing),) = capture.take()
+    assert during_the_step["waiting"]["op"] == "reduce_scatter"
+    assert capture.progress.snapshot()["waiting"] is None
+    assert op == CommOp("reduce_scatter", (0,), 16) and timing.duration_s is None
+
+
 def test_progress_counts_sends_and_receives_per_peer():
     """Point-to-point ops are counted by their other end, not by group: stages exchange different numbers."""
     progress = CollectiveProgress()
@@ -512,6 +535,35 @@ def test_ddp_gradient_all_reduce_is_recorded(ddp_run):
         # At least one gradient bucket per step, and the step's own all-reduce.
         assert ops == row["ops"]["all_reduce"] >= 2 * steps
         assert row["time_s"] > 0
+
+
+FSDP_RUN = {
+    "steps": 30,
+    "model": {"layers": 2, "dim": 128, "heads": 4, "kv_heads": 2, "ffn": 256, "seq_len": 32},
+    "parallel": {"dp_shard": 2},
+    "compute": {"precision": "fp32"},
+    "data": {"micro_batch": 4, "corpus_bytes": 200_000},
+    "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60, "comm_window_steps": 10},
+}
+# By this step the allocator and the caches hold what a step needs: RSS grows by 1-2 MiB over the steps after
+# it with the recorder off.
+WARM_UP_STEP = 10
+
+
+@pytest.mark.slow
+def test_fsdp_memory_stays_flat_with_the_recorder_on(tmp_path):
+    """While the recorder held on to gloo's reduce-scatter Works, each FSDP step kept about twice the gradient
+    bytes alive (a copy of every reduce-scatter's input and its output) for the rest of the run; growth after
+    warm-up must stay under a quarter of that."""
+    run = run_trainer(tmp_path, FSDP_RUN)
+    assert run.returncode == 0, run.failure_report()
+    assert all(event["payload"]["ops"]["reduce_scatter"] > 0 for _, event in run.events("comm"))
+    gradient_bytes = 4 * Transformer(parse_config(FSDP_RUN).model).num_params()
+    rss = {(rank, event["step"]): event["payload"]["memory_rss"] for rank, event in run.events("metric")}
+    last_step = FSDP_RUN["steps"]
+    for rank in range(2):
+        growth = rss[rank, last_step] - rss[rank, WARM_UP_STEP]
+        assert growth < (last_step - WARM_UP_STEP) * gradient_bytes / 2, (rank, growth, gradient_bytes)
 
 
 @pytest.mark.slow
