@@ -55,7 +55,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from trainer import faults
 from trainer.config import RunConfig
-from trainer.telemetry import TelemetryClient
+from trainer.telemetry import PlatformUnreachable, TelemetryClient
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -222,14 +222,29 @@ def latest_good(
     return None
 
 
-def steps_to_delete(steps: list[int], committed_step: int, keep_last: int, keep_every: int) -> list[int]:
-    """Retention once committed_step is committed: the newest keep_last steps stay, and every multiple of
-    keep_every (0: none). Steps past committed_step go: a run resumed from an earlier checkpoint left
-    their branch behind, and "latest" must not lead back to it."""
+def steps_to_delete(
+    steps: list[int], committed_step: int, keep_last: int, keep_every: int, pinned: frozenset[int] = frozenset()
+) -> list[int]:
+    """Retention once committed_step is committed: the newest keep_last steps stay, every multiple of
+    keep_every (0: none), and every pinned step. Steps past committed_step go, pinned or not: a run resumed
+    from an earlier checkpoint left their branch behind, and "latest" must not lead back to it."""
     lineage = sorted(step for step in steps if step <= committed_step)
     newest = set(lineage[-keep_last:])
     milestones = {step for step in lineage if keep_every and step % keep_every == 0}
-    return sorted(set(steps) - newest - milestones)
+    return sorted(set(steps) - newest - milestones - (set(pinned) & set(lineage)))
+
+
+def pinned_among(candidates: dict[int, Path], ask: Callable[[], dict[str, list[str]]]) -> dict[int, str]:
+    """Which of the checkpoints retention would delete (by step) are pinned, with why, given `ask` for the
+    pinned paths (TelemetryClient.pinned_checkpoints). When the platform cannot say, any of them might be
+    pinned: all are kept until it can."""
+    if not candidates:
+        return {}
+    try:
+        pinned = ask()
+    except PlatformUnreachable as error:
+        return dict.fromkeys(candidates, f"the platform could not say whether it is pinned ({error})")
+    return {step: "; ".join(pinned[str(path)]) for step, path in candidates.items() if str(path) in pinned}
 
 
 # Model and optimizer state under full parameter names.
@@ -384,6 +399,8 @@ class Checkpointer:
         self.parent: Path | None = None
         self.last_saved_step: int | None = None
         self.last_save_time = time.monotonic()
+        # Why retention last kept each pinned checkpoint it would have deleted, as reported.
+        self._kept_reasons: dict[int, str] = {}
 
     def _shared_nonce(self) -> str:
         """Names this attempt's temporary directories; rank 0 draws it so every rank writes to the same one."""
@@ -661,7 +678,13 @@ class Checkpointer:
     def _retire_old(self, committed_step: int) -> None:
         by_step = {step_of(path): path for path in committed_checkpoints(self.root)}
         settings = self.settings
-        for step in steps_to_delete(list(by_step), committed_step, settings.keep_last, settings.keep_every):
+        due = steps_to_delete(list(by_step), committed_step, settings.keep_last, settings.keep_every)
+        candidates = {step: by_step[step] for step in due if step <= committed_step}
+        kept = pinned_among(candidates, self.telemetry.pinned_checkpoints)
+        for step, why in kept.items():
+            self._report_kept(step, by_step[step], why)
+        pinned = frozenset(kept)
+        for step in steps_to_delete(list(by_step), committed_step, settings.keep_last, settings.keep_every, pinned):
             path = by_step[step]
             # Renamed first: a directory half deleted must not keep its committed name.
             doomed = path.with_name(f"{path.name}.deleting-{self.nonce}")
@@ -674,3 +697,12 @@ class Checkpointer:
             )
             logger.info("deleted checkpoint %s (%s)", path, reason)
             self.telemetry.emit("checkpoint", {"state": "deleted", "step": step, "path": str(path)}, step=step)
+
+    def _report_kept(self, step: int, path: Path, why: str) -> None:
+        """Once per checkpoint and reason: every later retention pass keeps it for the same reason."""
+        if self._kept_reasons.get(step) == why:
+            return
+        self._kept_reasons[step] = why
+        logger.info("kept checkpoint %s past keep_last %d: %s", path, self.settings.keep_last, why)
+        payload = {"state": "kept", "step": step, "path": str(path), "reason": why}
+        self.telemetry.emit("checkpoint", payload, step=step)

@@ -8,6 +8,7 @@ The server stores each (attempt, rank, seq) once, so re-sending a batch is alway
 
 Wire contract: POST {url}/api/ingest with a bearer token and the body
 {"attempt": int, "rank": int, "seq": int, "events": [{"kind", "time", "step", "payload"}]}.
+Retention asks with the same token: GET {url}/api/checkpoints/pinned answers {"pinned": {path: [why, …]}}.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -113,6 +116,27 @@ def read_spool(spool_dir: Path) -> list[dict[str, Any]]:
     return sorted(batches, key=lambda batch: (batch["rank"], batch["seq"]))
 
 
+class PlatformUnreachable(Exception):
+    """The platform could not answer a question the trainer asked it; the message says why."""
+
+
+def fetch_pinned(url: str, token: str, timeout_s: float) -> dict[str, list[str]]:
+    """The run's pinned checkpoints, by path, with why each is pinned."""
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/api/checkpoints/pinned",
+        headers={"Accept": "application/json", "Authorization": f"Bearer {token}"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            answer = json.loads(response.read())
+    except (OSError, ValueError) as error:
+        raise PlatformUnreachable(f"asking {request.full_url}: {type(error).__name__}: {error}") from None
+    pinned = answer.get("pinned") if isinstance(answer, dict) else None
+    if not isinstance(pinned, dict):
+        raise PlatformUnreachable(f"{request.full_url} answered without a map of pinned checkpoints")
+    return pinned
+
+
 def backoff_delay(failures: int) -> float:
     """Exponential from BACKOFF_START_S, capped at BACKOFF_CAP_S, jittered so ranks do not retry in lockstep."""
     ceiling = min(BACKOFF_CAP_S, BACKOFF_START_S * 2 ** max(failures - 1, 0))
@@ -195,6 +219,7 @@ class TelemetryClient:
         if url is not None and (token is None or attempt is None):
             raise ValueError("a telemetry url needs a token and an attempt number to send with it")
         self.url = url
+        self._token = token
         self.attempt = attempt
         self.rank = rank
         self.spool_dir = Path(spool_dir)
@@ -253,6 +278,13 @@ class TelemetryClient:
         if kind == "metric":
             self._wake.set()
         return True
+
+    def pinned_checkpoints(self, timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, list[str]]:
+        """The run's checkpoints that retention must keep, by path, with why, as the platform says now;
+        none without a platform (offline). PlatformUnreachable when it cannot be asked."""
+        if self.url is None:
+            return {}
+        return fetch_pinned(self.url, self._token, timeout_s)
 
     def close(self, timeout_s: float) -> int:
         """Spool what is queued, keep delivering until timeout_s has passed, stop the threads;

@@ -488,6 +488,10 @@
     const state = cell("checkpoint-state");
     state.appendChild(badge(checkpoint.state));
     if (checkpoint.problem) state.appendChild(paragraph(checkpoint.problem, "note"));
+    if (checkpoint.pinned) {
+      state.append(" ", badge("pinned"));
+      state.appendChild(paragraph(`kept past retention: ${checkpoint.pins.join("; ")}`, "note checkpoint-pins"));
+    }
     cell("checkpoint-size").textContent = formatBytes(checkpoint.bytes);
     cell("checkpoint-loss").textContent = checkpoint.loss === null ? "" : checkpoint.loss.toFixed(4);
     const stall = cell("checkpoint-stall");
@@ -513,8 +517,34 @@
       button.className = "restore-button";
       button.textContent = "Restore…";
       button.addEventListener("click", () => openRestore(checkpoint));
+      action.appendChild(pinButton(checkpoint));
     }
     return row;
+  }
+
+  // A person's pin keeps a checkpoint past keep_last until they unpin it; an alert's lasts while it is live.
+  function pinButton(checkpoint) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "pin-button";
+    const change = checkpoint.user_pinned ? "unpin" : "pin";
+    button.textContent = checkpoint.user_pinned ? "Unpin" : "Pin";
+    button.title = checkpoint.user_pinned
+      ? "Let retention delete it again once no alert needs it"
+      : "Keep it past retention (keep_last) until you unpin it";
+    button.addEventListener("click", async () => {
+      button.disabled = true;
+      try {
+        const response = await loom.post(`${page.urls.checkpoints}/${checkpoint.id}/${change}`);
+        const answer = await response.json();
+        if (!response.ok) throw new Error(Object.values(answer.errors ?? {}).join("; ") || answer.detail);
+        await refreshDetails();
+      } catch (error) {
+        showNotice(`Could not ${change} the checkpoint of step ${checkpoint.step} (${error.message}).`);
+        button.disabled = false;
+      }
+    });
+    return button;
   }
 
   // "dp_replicate 2 · tp 2": the degrees the layout uses, or one rank.

@@ -126,6 +126,10 @@ def api_get(page, path: str):
     return page.evaluate("async (path) => (await fetch(path)).json()", path)
 
 
+def user_pinned(page, run) -> set[int]:
+    return {item["step"] for item in api_get(page, f"/api/runs/{run.pk}/checkpoints") if item["user_pinned"]}
+
+
 # ---- the run page ----
 
 
@@ -253,6 +257,36 @@ def test_checkpoints_and_a_restart_appear_live_and_a_running_run_only_forks(runn
 def open_restore(page, step):
     page.click(f'#checkpoint-rows tr[data-step="{step}"] .restore-button')
     expect(page.locator("#restore-form")).to_be_visible()
+
+
+def test_the_checkpoint_table_shows_why_each_is_pinned_and_pins_and_unpins(history, open_logged_in):
+    run, _, _ = history
+    # The killed attempt's rank-exit alert (after step 7) pins the checkpoint triage offers: step 5.
+    page = open_run(open_logged_in, run.pk)
+    (exit_alert,) = [alert for alert in api_get(page, f"/api/runs/{run.pk}/alerts") if alert["rule"] == "rank_exit"]
+    before_exit, newest = page.locator('tr[data-step="5"]'), page.locator('tr[data-step="20"]')
+    pinned_by_alert = f"kept past retention: pinned by alert #{exit_alert['id']} (rank exit at step 7)"
+    expect(before_exit.locator(".checkpoint-pins")).to_have_text(pinned_by_alert)
+    expect(before_exit.locator(".badge.state-pinned")).to_have_text("pinned")
+    expect(newest.locator(".checkpoint-pins")).to_have_count(0)
+
+    newest.locator(".pin-button").click()
+    expect(newest.locator(".checkpoint-pins")).to_have_text("kept past retention: pinned by ada")
+    expect(newest.locator(".pin-button")).to_have_text("Unpin")
+    assert user_pinned(page, run) == {20}
+    newest.locator(".pin-button").click()
+    expect(newest.locator(".checkpoint-pins")).to_have_count(0)
+    expect(newest.locator(".pin-button")).to_have_text("Pin")
+    assert user_pinned(page, run) == set()
+    # Unpinning is a person's: the alert's pin stays until the alert is resolved.
+    before_exit.locator(".pin-button").click()
+    expect(before_exit.locator(".pin-button")).to_have_text("Unpin")
+    before_exit.locator(".pin-button").click()
+    expect(before_exit.locator(".pin-button")).to_have_text("Pin")
+    expect(before_exit.locator(".checkpoint-pins")).to_have_text(pinned_by_alert)
+    # A corrupt or deleted checkpoint can be neither restored nor pinned.
+    expect(page.locator('tr[data-step="10"] .pin-button')).to_have_count(0)
+    expect(page.locator('tr[data-step="15"] .pin-button')).to_have_count(0)
 
 
 def test_restore_form_puts_layout_errors_beside_their_inputs_then_starts_a_new_attempt(history, open_logged_in):

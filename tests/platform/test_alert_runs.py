@@ -3,17 +3,23 @@ a rank hung by fault injection each open their alert with the right rank and ste
 clean run of the same config opens none."""
 
 import statistics
+from pathlib import Path
 
 import pytest
 from celery.beat import EmbeddedService
+from django.db.models import Max
 
 from loom.alerts import detectors
 from loom.alerts.models import Alert
+from loom.alerts.triage import alert_views
 from loom.celery import app as celery_app
+from loom.checkpoints.models import COMMITTED
+from loom.checkpoints.services import pins_of
 from loom.runs import states
 from loom.runs.models import Run
 from loom.runs.services import cancel_run, create_run
 from loom.telemetry.models import RankStep
+from trainer.checkpoint import verify
 from trainer.config import AlertsConfig, ParallelConfig
 from trainer.plan.memory import rank_coordinates
 
@@ -264,3 +270,45 @@ def test_clean_pipeline_runs_raise_no_straggler_and_a_slowed_stage_rank_is_caugh
     assert (straggler.rule, straggler.rank) == (detectors.STRAGGLER, PIPELINE_SLOW_RANK)
     assert straggler.details["peer_group"] == "pipeline rank 1"
     assert "among the ranks of pipeline rank 1" in straggler.message
+
+
+PINNED_SPIKE_STEP = 14
+CHECKPOINT_EVERY = 5
+# keep_last 3: the checkpoint before the spike (step 10) is due for deletion once step 25 is committed, eleven
+# steps after the spike, long after its alert opened (within ALERT_WITHIN_S).
+RETAINED = {
+    **JUDGED,
+    "steps": 40,
+    "parallel": {"dp_replicate": 2},
+    "checkpoint": {"interval_steps": CHECKPOINT_EVERY, "keep_last": 3},
+    "faults": {"spike_at_step": PINNED_SPIKE_STEP},
+}
+
+
+def test_retention_keeps_the_checkpoint_before_a_loss_spike_for_triage_to_restore(live_platform, platform_user):
+    run = create_run(platform_user[0], "spiked and retained", RETAINED)
+    wait_for(
+        lambda: Run.objects.filter(pk=run.pk, state__in=states.TERMINAL).exists(), timeout=300, message="the run to end"
+    )
+    run.refresh_from_db()
+    assert run.state == states.SUCCEEDED
+    spike = Alert.objects.get(run=run, rule=detectors.LOSS_SPIKE)
+    assert (spike.step, spike.state) == (PINNED_SPIKE_STEP, Alert.OPEN)
+    before_spike = run.checkpoints.get(step=10)
+    assert before_spike.state == COMMITTED
+    assert verify(Path(before_spike.path))["step"] == 10
+    # Retention kept it past keep_last and said why; the ones no alert needed went.
+    pinned_by_spike = f"pinned by alert #{spike.pk} (loss spike at step {PINNED_SPIKE_STEP})"
+    kept = [event.payload for event in run.events.filter(kind="checkpoint", step=10)]
+    assert any(payload["state"] == "kept" and pinned_by_spike in payload["reason"] for payload in kept), kept
+    assert pinned_by_spike in pins_of(run)[before_spike.pk]
+    gone = run.checkpoints.get(step=5)
+    assert gone.state == "deleted" and not Path(gone.path).exists()
+    on_disk = sorted(path.name for path in Path(before_spike.path).parent.iterdir())
+    assert on_disk[0] == "step-000010" and on_disk[-3:] == ["step-000030", "step-000035", "step-000040"]
+    # Triage offers restoring from it.
+    (view,) = alert_views(run, [spike])
+    assert view.restore_from == before_spike
+    assert view.skip_steps == (11, PINNED_SPIKE_STEP)
+    reached = run.events.filter(kind="metric", received_at__lte=spike.opened_at).aggregate(step=Max("step"))["step"]
+    print(f"\nthe spike alert opened with metrics stored to step {reached}; retention first reached step 10 at 25")

@@ -13,7 +13,7 @@ from loom.alerts import detectors
 from loom.alerts.evaluate import evaluate
 from loom.alerts.hangs import check_hangs
 from loom.alerts.models import Alert
-from loom.alerts.services import Changes, record
+from loom.alerts.services import Changes, clear_stale, record
 from loom.runs import states
 from loom.runs.models import Attempt
 from loom.telemetry.models import RankStatus
@@ -324,3 +324,12 @@ def test_an_ended_attempt_resolves_its_live_conditions_and_leaves_what_a_person_
     assert not record(attempt, [late], str)
     client.force_login(platform_user[0])
     assert f">{len(must_act)} open</a>" in client.get("/").content.decode()
+
+
+def test_a_spike_waits_for_a_person_however_many_steps_pass_while_a_straggler_clears(sender):
+    straggler = detectors.Finding(detectors.STRAGGLER, 12, detectors.WARNING, "rank 5 is slow", rank=SLOW_RANK)
+    spike = detectors.Finding(detectors.LOSS_SPIKE, 12, detectors.WARNING, "loss 40 at step 12")
+    record(sender.attempt, [straggler, spike], str)
+    (cleared,) = clear_stale(sender.attempt, 1000, 20)
+    assert cleared.rule == detectors.STRAGGLER
+    assert Alert.objects.get(rule=detectors.LOSS_SPIKE).state == Alert.OPEN

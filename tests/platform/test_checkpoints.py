@@ -5,7 +5,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from loom.checkpoints.models import Checkpoint
+from loom.checkpoints import services
+from loom.checkpoints.models import Checkpoint, Pin
 from loom.checkpoints.recovery import restarts_in_a_row
 from loom.checkpoints.resilience import resilience, young_daly_interval_s
 from loom.runs import states
@@ -356,3 +357,78 @@ def test_the_command_lists_checkpoints_and_restores_one_into_another_layout(fini
     call_command("checkpoints", str(run.pk), "--restore", "5", "--fork", "--name", "wider", stdout=out)
     fork = Run.objects.get(name="wider")
     assert fork.forked_from == run.checkpoints.get(step=5) and out.getvalue().startswith(f"run {fork.pk} attempt 1")
+
+
+# Pins: what retention keeps.
+
+
+def test_pin_and_unpin_through_the_api_the_owners_only(finished_with_checkpoints, platform_user, other_user, token_for):
+    from django.test import Client
+
+    from .test_api import api
+
+    run = finished_with_checkpoints
+    step5, step10 = run.checkpoints.order_by("step")
+    token, client = token_for(platform_user[0]), Client()
+    pinned = api(client, "post", f"/api/runs/{run.pk}/checkpoints/{step5.pk}/pin", token)
+    assert pinned.status_code == 200
+    assert (pinned.json()["pinned"], pinned.json()["pins"]) == (True, ["pinned by ada"])
+    # Pinning twice is pinning.
+    assert api(client, "post", f"/api/runs/{run.pk}/checkpoints/{step5.pk}/pin", token).json()["pins"] == [
+        "pinned by ada"
+    ]
+    listed = api(client, "get", f"/api/runs/{run.pk}/checkpoints", token).json()
+    assert [(item["step"], item["pinned"], item["pins"]) for item in listed] == [
+        (5, True, ["pinned by ada"]),
+        (10, False, []),
+    ]
+    # Only a committed checkpoint can be kept.
+    corrupt = api(client, "post", f"/api/runs/{run.pk}/checkpoints/{step10.pk}/pin", token)
+    assert corrupt.status_code == 400
+    assert corrupt.json()["errors"] == {
+        "checkpoint": "is corrupt (step-000010/__1_0.distcp: missing); only a committed one can be pinned"
+    }
+    # Someone else's run and its checkpoints are no one's; a checkpoint of another run is not this run's.
+    mallory = token_for(other_user)
+    for action in ("pin", "unpin"):
+        assert api(client, "post", f"/api/runs/{run.pk}/checkpoints/{step5.pk}/{action}", mallory).status_code == 404
+    assert api(client, "post", f"/api/runs/{run.pk}/checkpoints/999999/pin", token).status_code == 404
+    assert Pin.objects.count() == 1
+
+    unpinned = api(client, "post", f"/api/runs/{run.pk}/checkpoints/{step5.pk}/unpin", token).json()
+    assert (unpinned["pinned"], unpinned["pins"]) == (False, [])
+    assert not Pin.objects.exists()
+
+
+def test_a_live_alert_pins_the_checkpoint_triage_offers_until_it_is_resolved(platform_user, client):
+    from loom.alerts import detectors
+    from loom.alerts.detectors import Finding
+    from loom.alerts.services import record, resolve
+
+    run, attempt, token = claimed_run(platform_user[0], config={**TINY_CONFIG, "checkpoint": {"interval_steps": 10}})
+    first = Ranks(attempt)
+    for step in (50, 60, 70):
+        first.send(0, committed(step, f"/a1/step-{step:06d}"))
+    first.fail(time=200.0, kind="exception", retryable=False)
+    # A restored attempt wrote its own checkpoints of the same run, in its own directory.
+    restored = Attempt.objects.create(run=run, number=2, config=attempt.config, trigger=Attempt.RESTORE)
+    Ranks(restored).send(0, committed(80, "/a2/step-000080"), committed(90, "/a2/step-000090"))
+    spike = Finding(detectors.LOSS_SPIKE, 70, detectors.WARNING, "loss 40 at step 70")
+    slow = Finding(detectors.STRAGGLER, 95, detectors.WARNING, "rank 1 is slow", rank=1)
+    loss_spike, straggler = record(restored, [spike, slow], str).opened
+    pin = services.pin(platform_user[0], run, run.checkpoints.get(step=90).pk)
+    assert pin.pins == [f"pinned by alert #{straggler.pk} (straggler at step 95)", "pinned by ada"]
+
+    by_path = {
+        "/a1/step-000060": [f"pinned by alert #{loss_spike.pk} (loss spike at step 70)"],
+        "/a2/step-000090": [f"pinned by alert #{straggler.pk} (straggler at step 95)", "pinned by ada"],
+    }
+    answer = client.get("/api/checkpoints/pinned", HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert answer.status_code == 200 and answer.json() == {"pinned": by_path}
+    assert client.get("/api/checkpoints/pinned", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
+    # Unpinning takes back the person's pin only; resolving an alert takes back its own.
+    assert services.unpin(platform_user[0], run, run.checkpoints.get(step=90).pk).pins == [
+        by_path["/a2/step-000090"][0]
+    ]
+    resolve(loss_spike, platform_user[0])
+    assert services.pinned_paths(run) == {"/a2/step-000090": [by_path["/a2/step-000090"][0]]}

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from trainer.checkpoint import (
     committed_checkpoints,
     holds_checkpoints,
     latest_good,
+    pinned_among,
     restore_rng_states,
     rng_states,
     steps_to_delete,
@@ -31,6 +33,7 @@ from trainer.checkpoint import (
     without_stage_number,
 )
 from trainer.config import ConfigError, parse_config
+from trainer.telemetry import TelemetryClient
 
 from .torchrun import FinishedRun, kill_trainer, run_trainer, start_trainer, started_run_result, wait_for_output
 
@@ -200,6 +203,45 @@ def test_latest_good_is_none_when_nothing_checks_out(tmp_path):
 )
 def test_retention_keeps_the_newest_and_the_milestones(steps, committed_step, keep_last, keep_every, deleted):
     assert steps_to_delete(steps, committed_step, keep_last, keep_every) == deleted
+
+
+@pytest.mark.parametrize(
+    ("steps", "committed_step", "pinned", "deleted"),
+    [
+        # keep_last 2: 60 pinned (the checkpoint before an alert's step) stays beside the newest two.
+        ([40, 50, 60, 70, 80, 90], 90, {60}, [40, 50, 70]),
+        ([40, 50, 60, 70, 80, 90], 90, {40, 80}, [50, 60, 70]),
+        # A pin on a step retention keeps anyway changes nothing.
+        ([40, 50, 60], 60, {60}, [40]),
+        # Resumed from 30 and committed 40: 50 and 60 are a branch left behind, pinned or not.
+        ([10, 20, 30, 40, 50, 60], 40, {20, 50}, [10, 50, 60]),
+    ],
+)
+def test_retention_keeps_pinned_steps_of_the_lineage(steps, committed_step, pinned, deleted):
+    assert steps_to_delete(steps, committed_step, 2, 0, frozenset(pinned)) == deleted
+
+
+def test_retention_keeps_what_the_platform_pinned_and_everything_when_it_cannot_say(tmp_path):
+    candidates = {step: tmp_path / f"step-{step:06d}" for step in (40, 50)}
+    pinned = {str(candidates[50]): ["pinned by alert #12 (loss spike at step 70)", "pinned by ada"]}
+    both = "pinned by alert #12 (loss spike at step 70); pinned by ada"
+    assert pinned_among(candidates, lambda: pinned) == {50: both}
+    assert pinned_among({}, lambda: pinned) == {}
+    # Nothing listens on the port any more: the platform cannot be asked, so nothing may go.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    client = TelemetryClient(url, "token", 7, 0, tmp_path / "spool", flush_interval_s=1.0, heartbeat_interval_s=None)
+    try:
+        kept = pinned_among(candidates, client.pinned_checkpoints)
+    finally:
+        client.close(0.0)
+    assert set(kept) == {40, 50}
+    assert all(why.startswith("the platform could not say whether it is pinned (") for why in kept.values())
+    assert url in kept[40] and "Connection refused" in kept[40]
+    offline = TelemetryClient(None, None, None, 0, tmp_path / "offline", 1.0, None)
+    assert pinned_among(candidates, offline.pinned_checkpoints) == {}
+    offline.close(0.0)
 
 
 @pytest.mark.parametrize(

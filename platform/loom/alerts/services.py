@@ -1,6 +1,6 @@
 """An alert's life: opened by a finding, updated while its condition is seen again, acknowledged or
-resolved by a user, or resolved by itself once its condition has not been seen for clear_after_steps steps,
-or once the attempt it was seen in ends (LIVE_CONDITIONS)."""
+resolved by a user; a live condition (LIVE_CONDITIONS) also resolves by itself once it has not been seen for
+clear_after_steps steps, or once the attempt it was seen in ends."""
 
 import functools
 from collections.abc import Callable
@@ -160,11 +160,15 @@ def host_lookup(attempt: Attempt) -> Callable[[int], str]:
 
 
 def clear_stale(attempt: Attempt, latest_step: int, clear_after_steps: int) -> list[Alert]:
-    """Resolve the run's live alerts whose condition was last seen clear_after_steps or more steps before the
-    attempt's latest step."""
+    """Resolve the run's live alerts of LIVE_CONDITIONS whose condition was last seen clear_after_steps or more
+    steps before the attempt's latest step. A spike, a non-finite loss or an exit is never seen again by
+    nature, and is no less for it: those wait for a person (and keep their checkpoint pinned meanwhile)."""
     stale = list(
         Alert.objects.filter(
-            run_id=attempt.run_id, state__in=Alert.LIVE, last_step__lte=latest_step - clear_after_steps
+            run_id=attempt.run_id,
+            rule__in=LIVE_CONDITIONS,
+            state__in=Alert.LIVE,
+            last_step__lte=latest_step - clear_after_steps,
         ).select_for_update()
     )
     for alert in stale:

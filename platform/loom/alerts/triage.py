@@ -9,6 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 from loom.checkpoints.models import COMMITTED, Checkpoint
+from loom.checkpoints.services import last_before
 from loom.runs.logs import rank_log_files, tail_lines
 from loom.runs.models import Run
 from trainer.config import world_size_of
@@ -119,8 +120,8 @@ def alert_views(run: Run, alerts: list[Alert]) -> list[AlertView]:
     checkpoints = list(Checkpoint.objects.filter(run=run, state=COMMITTED).order_by("step", "id"))
     views = []
     for alert in alerts:
-        before = [checkpoint for checkpoint in checkpoints if checkpoint.step < alert.step]
-        view = AlertView(alert, before[-1] if before else None, _logs_around(alert))
+        # The same checkpoint the alert pins against retention while it is live.
+        view = AlertView(alert, last_before(checkpoints, alert.step), _logs_around(alert))
         if view.restore_from is not None and alert.rule in DATA_RULES and alert.attempt is not None:
             view.skip_steps = (view.restore_from.step + 1, alert.last_step)
             view.lr = alert.attempt.config["optimizer"]["lr"]

@@ -1,9 +1,13 @@
 from datetime import datetime
 from typing import Any
 
+from django.http import JsonResponse
 from ninja import Router, Schema, Status
 
 from loom.runs import services as run_services
+from loom.runs.models import Run
+from loom.telemetry.ingest import bearer
+from loom.telemetry.services import IngestRejected, attempt_for_token
 
 from . import services
 from .resilience import resilience
@@ -27,6 +31,11 @@ class CheckpointOut(Schema):
     save_s: float | None
     problem: str
     committed_at: datetime
+    pinned: bool
+    # Why retention keeps it: "pinned by alert #12 (loss spike at step 70)", "pinned by ada".
+    pins: list[str]
+    # Pinned by a person: unpin takes that back (an alert's pin lasts while the alert is live).
+    user_pinned: bool
 
     @staticmethod
     def resolve_run(checkpoint):
@@ -39,6 +48,10 @@ class CheckpointOut(Schema):
     @staticmethod
     def resolve_parent(checkpoint):
         return checkpoint.parent_id
+
+    @staticmethod
+    def resolve_pinned(checkpoint):
+        return bool(checkpoint.pins)
 
 
 class RestoreIn(Schema):
@@ -66,8 +79,36 @@ class FieldErrors(Schema):
 
 @router.get("/runs/{run_id}/checkpoints", response=list[CheckpointOut])
 def run_checkpoints(request, run_id: int):
-    """Every checkpoint the run's attempts committed, oldest step first, with its state."""
-    return list(services.checkpoints_of(run_services.run_for(request.user, run_id)))
+    """Every checkpoint the run's attempts committed, oldest step first, with its state and pins."""
+    run = run_services.run_for(request.user, run_id)
+    return services.with_pins(run, services.checkpoints_of(run))
+
+
+@router.post("/runs/{run_id}/checkpoints/{checkpoint_id}/pin", response={200: CheckpointOut, 400: FieldErrors})
+def pin_checkpoint(request, run_id: int, checkpoint_id: int):
+    """Keep a committed checkpoint past retention (keep_last) until unpinned."""
+    run = run_services.run_for(request.user, run_id)
+    try:
+        return services.pin(request.user, run, checkpoint_id)
+    except run_services.RunInputError as error:
+        return Status(400, {"errors": error.errors})
+
+
+@router.post("/runs/{run_id}/checkpoints/{checkpoint_id}/unpin", response=CheckpointOut)
+def unpin_checkpoint(request, run_id: int, checkpoint_id: int):
+    """Take back your pin; an open alert's pin on the checkpoint stays until the alert is resolved."""
+    return services.unpin(request.user, run_services.run_for(request.user, run_id), checkpoint_id)
+
+
+@router.get("/checkpoints/pinned", auth=None, openapi_extra={"security": [{"AttemptToken": []}]})
+def pinned_checkpoints(request):
+    """For a running attempt's retention, with the attempt's own token: its run's pinned checkpoints,
+    {"pinned": {path: [why, …]}}. 401 for an unknown token."""
+    try:
+        attempt = attempt_for_token(bearer(request.headers.get("Authorization", "")))
+    except IngestRejected as rejected:
+        return JsonResponse({"detail": rejected.message}, status=rejected.status)
+    return {"pinned": services.pinned_paths(Run.objects.get(pk=attempt.run_id))}
 
 
 @router.get("/runs/{run_id}/lineage")

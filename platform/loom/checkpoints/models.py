@@ -1,3 +1,4 @@
+from django.conf import settings
 from django.db import models
 
 from loom.runs.models import Attempt, Run
@@ -38,3 +39,18 @@ class Checkpoint(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} checkpoint step {self.step} ({self.state})"
+
+
+class Pin(models.Model):
+    """A person's word that retention must keep a checkpoint, until they take it back. Alerts pin the
+    checkpoint triage offers them without a row: an alert's pin lasts exactly as long as it is live
+    (services.pins_of)."""
+
+    checkpoint = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="user_pins")
+    pinned_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="checkpoint_pins")
+    pinned_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["checkpoint", "pinned_by"], name="one_pin_per_checkpoint_and_user")
+        ]

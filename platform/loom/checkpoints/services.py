@@ -1,8 +1,12 @@
 """Checkpoints as the platform knows them: filled from the trainer's `checkpoint` events, drawn as a
-lineage across runs and attempts, and restored into a new attempt or a forked run."""
+lineage across runs and attempts, pinned against retention, and restored into a new attempt or a forked run."""
+
+from collections import defaultdict
+from collections.abc import Sequence
 
 from django.db import transaction
 from django.db.models import Max
+from django.http import Http404
 
 from loom.runs import services as run_services
 from loom.runs import states
@@ -10,7 +14,7 @@ from loom.runs.models import Attempt, Run
 from loom.telemetry.models import Event
 from trainer.config import ConfigError, parse_config, world_size_of
 
-from .models import COMMITTED, CORRUPT, DELETED, Checkpoint
+from .models import COMMITTED, CORRUPT, DELETED, Checkpoint, Pin
 
 RESTORE_MODES = ("attempt", "fork")
 
@@ -62,6 +66,79 @@ def checkpoints_of(run: Run):
 
 def latest_committed(attempt: Attempt) -> Checkpoint | None:
     return Checkpoint.objects.filter(attempt=attempt, state=COMMITTED).order_by("-step", "-id").first()
+
+
+def last_before(checkpoints: Sequence[Checkpoint], step: int) -> Checkpoint | None:
+    """The checkpoint to restore from past something first seen at `step`: the last of `checkpoints`
+    (committed, by step) saved before it. One saved at the step itself already holds that step's update."""
+    before = [checkpoint for checkpoint in checkpoints if checkpoint.step < step]
+    return before[-1] if before else None
+
+
+# Pins: what retention must keep.
+
+
+def pins_of(run: Run) -> dict[int, list[str]]:
+    """Why each pinned checkpoint of the run is pinned, by checkpoint id: each live alert pins the one
+    triage offers to restore from past it (last_before its step, of any attempt of the run) for as long
+    as it is live, and a person pins any committed one until they unpin it."""
+    from loom.alerts.models import Alert
+
+    committed = list(Checkpoint.objects.filter(run=run, state=COMMITTED).order_by("step", "id"))
+    reasons: dict[int, list[str]] = defaultdict(list)
+    for alert in Alert.objects.filter(run=run, state__in=Alert.LIVE).order_by("id"):
+        restore_point = last_before(committed, alert.step)
+        if restore_point is not None:
+            what = alert.rule.replace("_", " ")
+            reasons[restore_point.pk].append(f"pinned by alert #{alert.pk} ({what} at step {alert.step})")
+    pins = Pin.objects.filter(checkpoint__run=run, checkpoint__state=COMMITTED).select_related("pinned_by")
+    for pin in pins.order_by("id"):
+        reasons[pin.checkpoint_id].append(f"pinned by {pin.pinned_by.get_username()}")
+    return dict(reasons)
+
+
+def with_pins(run: Run, checkpoints) -> list[Checkpoint]:
+    """The checkpoints, each with `pins` (why it is pinned; empty: it is not) and `user_pinned` (whether a
+    person pinned it, which unpinning takes back)."""
+    reasons = pins_of(run)
+    checkpoints = list(checkpoints)
+    user_pinned = set(Pin.objects.filter(checkpoint__in=checkpoints).values_list("checkpoint_id", flat=True))
+    for checkpoint in checkpoints:
+        checkpoint.pins = reasons.get(checkpoint.pk, [])
+        checkpoint.user_pinned = checkpoint.pk in user_pinned
+    return checkpoints
+
+
+def pinned_paths(run: Run) -> dict[str, list[str]]:
+    """The run's pinned checkpoints by path, with why: what its attempts' retention must not delete."""
+    reasons = pins_of(run)
+    paths = Checkpoint.objects.filter(pk__in=reasons).values_list("pk", "path")
+    return {path: reasons[pk] for pk, path in paths}
+
+
+def _checkpoint_of(run: Run, checkpoint_id: int) -> Checkpoint:
+    checkpoint = Checkpoint.objects.filter(run=run, pk=checkpoint_id).first()
+    if checkpoint is None:
+        raise Http404(f"run {run.pk} has no checkpoint {checkpoint_id}")
+    return checkpoint
+
+
+def pin(user, run: Run, checkpoint_id: int) -> Checkpoint:
+    """Keep a committed checkpoint of the user's run past retention until they unpin it."""
+    checkpoint = _checkpoint_of(run, checkpoint_id)
+    if checkpoint.state != COMMITTED:
+        raise run_services.RunInputError(
+            {"checkpoint": f"is {checkpoint.state} ({checkpoint.problem}); only a committed one can be pinned"}
+        )
+    Pin.objects.get_or_create(checkpoint=checkpoint, pinned_by=user)
+    return with_pins(run, [checkpoint])[0]
+
+
+def unpin(user, run: Run, checkpoint_id: int) -> Checkpoint:
+    """Take back the user's pin; an alert's pin stays until the alert is resolved."""
+    checkpoint = _checkpoint_of(run, checkpoint_id)
+    Pin.objects.filter(checkpoint=checkpoint, pinned_by=user).delete()
+    return with_pins(run, [checkpoint])[0]
 
 
 # Lineage.
