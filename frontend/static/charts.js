@@ -8,9 +8,6 @@ window.loomCharts = (() => {
   const PLOT_CONFIG = { responsive: true, displaylogo: false };
   const MARGIN = { l: 64, r: 16, t: 8, b: 44 };
   const MIN_WIDTH = 100;
-  const KIB = 2 ** 10;
-  const MIB = 2 ** 20;
-  const GIB = 2 ** 30;
   // The qualitative colours attempts and runs are drawn in (Plotly's default cycle, fixed here so a
   // run keeps its colour on every chart of the comparison page).
   const COLOURS = ["#3056d3", "#d9822b", "#23955a", "#c62f3b", "#7a5cd6", "#8c564b", "#e377c2", "#5f6b7a"];
@@ -99,13 +96,6 @@ window.loomCharts = (() => {
 
   // ---- numbers ----
 
-  function formatBytes(bytes) {
-    if (bytes === null || bytes === undefined) return "";
-    if (bytes >= GIB) return `${(bytes / GIB).toFixed(2)} GiB`;
-    if (bytes >= MIB) return `${(bytes / MIB).toFixed(1)} MiB`;
-    return bytes >= KIB ? `${(bytes / KIB).toFixed(1)} KiB` : `${Math.round(bytes)} B`;
-  }
-
   // 26 s, 4.1 s, 0.30 s, 12 ms.
   function formatSeconds(seconds) {
     if (seconds >= 10) return `${seconds.toFixed(0)} s`;
@@ -137,7 +127,10 @@ window.loomCharts = (() => {
     download,
     addCsvButton,
     lineTable,
-    formatBytes,
+    // loom.js's: every page writes bytes in binary units.
+    formatBytes: window.loom.formatBytes,
+    byteTicks: window.loom.byteTicks,
+    logByteTicks: window.loom.logByteTicks,
     formatSeconds,
     pointValue,
     getJson,

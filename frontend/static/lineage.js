@@ -26,9 +26,7 @@
   const EDGE_BEND = 36;
   const ARROW_SIZE = 9;
   const EDGE_KINDS = ["parent", "restart", "restore", "fork"];
-  const KIB = 2 ** 10;
-  const MIB = 2 ** 20;
-  const GIB = 2 ** 30;
+  const { formatBytes } = window.loom;
 
   const lineage = { data: null, ready: false };
   window.loomLineage = lineage;
@@ -368,12 +366,6 @@
 
   function count(number, noun) {
     return `${number} ${noun}${number === 1 ? "" : "s"}`;
-  }
-
-  function formatBytes(bytes) {
-    if (bytes >= GIB) return `${(bytes / GIB).toFixed(2)} GiB`;
-    if (bytes >= MIB) return `${(bytes / MIB).toFixed(1)} MiB`;
-    return bytes >= KIB ? `${(bytes / KIB).toFixed(1)} KiB` : `${bytes} B`;
   }
 
   function formatSeconds(seconds) {

@@ -141,9 +141,40 @@
     requestFrame();
   }
 
+  // The prediction is for the cluster's GPUs: beside a measurement on a CPU, or on GPUs of another
+  // kind, its numbers would compare unlike things, so the page says so instead.
   function showPrediction() {
-    document.getElementById("predicted-memory").textContent = formatBytes(prediction.memory.peak_bytes);
-    document.getElementById("predicted-tokens").textContent = wholeNumber(prediction.tokens_per_s);
+    const { cluster } = prediction;
+    const planned = `${cluster.nodes * cluster.gpus_per_node} × ${cluster.gpu}`;
+    const note = document.getElementById("prediction-hardware");
+    const ran = run.hardware;
+    // The planner's GPU types are named by their family first ("H100-SXM", "A100-80GB"); torch names
+    // the device with its vendor ("NVIDIA H100 80GB HBM3"). A trainer that did not name it ("cuda:0") is
+    // given the benefit of the doubt.
+    const otherGpu = ran && !ran.onCpu && ran.named && !ran.name.includes(cluster.gpu.split("-")[0]);
+    const applies = !ran || !(ran.onCpu || otherGpu);
+    document.getElementById("predicted-memory").textContent = applies ? formatBytes(prediction.memory.peak_bytes) : "–";
+    document.getElementById("predicted-tokens").textContent = applies ? wholeNumber(prediction.tokens_per_s) : "–";
+    const ranOn = ran && (ran.onCpu ? "CPU" : ran.name);
+    document.getElementById("measured-heading").textContent = ran ? `Measured on ${ranOn}` : "Measured";
+    note.textContent = applies ? "" : `planned for ${planned}; this attempt ran on ${ranOn}: the prediction does not apply`;
+    note.hidden = applies;
+  }
+
+  // ---- the hardware the latest attempt runs on ----
+
+  // Each rank's "started" state event names its device ("cpu", "cuda:3") and, from newer trainers, the
+  // device's name; the latest attempt's decides whether the prediction applies and why MFU is missing.
+  run.hardware = null;
+
+  function noteHardware(number, payload) {
+    if (!payload.device || (run.hardware && number < run.hardware.attempt)) return;
+    const onCpu = payload.device.startsWith("cpu");
+    const name = payload.device_name || payload.device;
+    if (run.hardware && run.hardware.attempt === number && run.hardware.name === name) return;
+    run.hardware = { attempt: number, onCpu, name, named: Boolean(payload.device_name) };
+    charts.showHardware(run.hardware);
+    if (prediction) showPrediction();
   }
 
   function drawMeasured() {
@@ -168,6 +199,7 @@
     const payload = event.payload;
     if (event.rank !== null && event.rank !== LAUNCHER_RANK) {
       addLogLine(event.rank, `${clock(event.time)} rank ${event.rank} ${payload.state}`);
+      if (payload.state === "started") noteHardware(event.attempt, payload);
       return;
     }
     // The run's state is its latest attempt's; a late event of an earlier attempt does not change it.

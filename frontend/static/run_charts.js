@@ -54,8 +54,9 @@ window.loomRunCharts = (page, run, requestFrame) => {
     memory_bytes: {
       element: "memory-chart",
       axis: "memory per rank",
-      hover: "%{y:.4s}B",
-      yaxis: { tickformat: ".4s", ticksuffix: "B" },
+      // Written in binary units per point (pointText) and on the axis (drawRanks): d3's formats know only SI.
+      hover: "%{text}",
+      bytes: true,
       // What the API projects: the CUDA allocator's bytes, or the resident set on CPUs.
       value: (payload) => payload.memory_allocated ?? payload.memory_rss,
     },
@@ -81,7 +82,8 @@ window.loomRunCharts = (page, run, requestFrame) => {
     },
     memory_bytes: {
       unit: "bytes",
-      hover: "%{z:.4s}B",
+      hover: "%{text}",
+      bytes: true,
       colorscale: [
         [0, "#f7fbff"],
         [0.5, "#6baed6"],
@@ -242,10 +244,12 @@ window.loomRunCharts = (page, run, requestFrame) => {
     requestFrame();
   }
 
+  // An attempt whose ranks reported the metric as missing at every step (MFU on CPU) has no line.
   function seriesTraces(key) {
     return Object.keys(run.series[key])
       .map(Number)
       .sort((a, b) => a - b)
+      .filter((attempt) => run.series[key][attempt].some((point) => point[1] !== null))
       .map((attempt, index) => {
         const points = run.series[key][attempt];
         return {
@@ -267,11 +271,14 @@ window.loomRunCharts = (page, run, requestFrame) => {
   const TICKS = { ticklabeloverflow: "allow" };
 
   // `legend`: false for the bands, whose note names their lines (its layout is measured on every draw).
+  // A chart with nothing to draw shows its note without axes: Plotly's default range for no data
+  // (-1 to 4, -100 % to 400 % as MFU) means nothing.
   function lineLayout(axisTitle, empty, extra = {}, legend = true) {
+    const shown = { visible: !empty };
     return {
       margin: C.MARGIN,
-      xaxis: { title: { text: "step" }, ...TICKS },
-      yaxis: { title: { text: axisTitle }, ...TICKS, ...(extra.yaxis || {}) },
+      xaxis: { title: { text: "step" }, ...TICKS, ...shown },
+      yaxis: { title: { text: axisTitle }, ...TICKS, ...(extra.yaxis || {}), ...shown },
       legend: { orientation: "h", y: -0.25 },
       showlegend: legend,
       uirevision: "keep-zoom",
@@ -283,13 +290,30 @@ window.loomRunCharts = (page, run, requestFrame) => {
 
   function drawSeries(key) {
     const traces = seriesTraces(key);
-    const empty = traces.length ? "" : key === "mfu" ? "no MFU reported (none on CPU ranks)" : "no steps yet";
+    const empty = traces.length ? "" : key === "mfu" ? mfuAbsence() : "no steps yet";
     const layout = lineLayout(SERIES[key].axis, empty, SERIES[key]);
     const drawing = Plotly.react(elements[key], traces, layout, C.PLOT_CONFIG);
     if (key === "loss") {
       keepLatencies(drawing, latencyPending, run.drawLatencies, null);
       latencyPending = [];
     }
+  }
+
+  // Why the MFU chart is empty: the trainer measures MFU against the GPU's peak FLOP/s, which a CPU and
+  // a GPU loom has no figures for lack.
+  function mfuAbsence() {
+    if (hardware === null) return "no MFU reported yet";
+    if (hardware.onCpu) return "MFU is not measured on CPU";
+    return `MFU is not measured on ${hardware.name} (its peak FLOP/s is unknown)`;
+  }
+
+  // The hardware of the latest attempt, from its ranks' "started" state events (run.js).
+  let hardware = null;
+
+  function showHardware(reported) {
+    hardware = reported;
+    dirty.add("mfu");
+    requestFrame();
   }
 
   // The time from a rank's emit to its point on screen, for the end-to-end latency benchmark.
@@ -504,6 +528,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
       const line = (name, values, extra) => ({
         x: data.step,
         y: values,
+        ...pointText(spec, values),
         name,
         type: "scatter",
         mode: "lines",
@@ -524,6 +549,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
         return {
           x: line.step,
           y: line.mean,
+          ...pointText(spec, line.mean),
           name: `rank ${rank}`,
           type: "scatter",
           mode: line.step.length > 1 ? "lines" : "markers",
@@ -533,9 +559,30 @@ window.loomRunCharts = (page, run, requestFrame) => {
       });
   }
 
+  // Each point's value as its hover writes it, for a metric d3's number formats cannot write (bytes).
+  function pointText(spec, values) {
+    return spec.bytes ? { text: values.map(C.formatBytes) } : {};
+  }
+
+  // The y axis of a chart of bytes: ticks at round binary amounts over what the traces hold.
+  function byteAxis(traces) {
+    let low = Infinity;
+    let high = -Infinity;
+    for (const trace of traces) {
+      for (const value of trace.y) {
+        if (value === null || !Number.isFinite(value)) continue;
+        low = Math.min(low, value);
+        high = Math.max(high, value);
+      }
+    }
+    // automargin: "1.005 GiB" is wider than the margin kept for the axis title.
+    return low <= high ? { yaxis: { tickmode: "array", automargin: true, ...C.byteTicks(low, high) } } : {};
+  }
+
   function drawRanks(panel) {
     const traces = rankTraces(panel);
     const hasPoints = traces.some((trace) => trace.x.length);
+    const spec = RANK_METRICS[panel.metric];
     const note = document.getElementById(`${RANK_METRICS[panel.metric].element}-note`);
     const resolution = panel.span > 1 ? `${panel.span} steps per point` : "";
     const band = `shaded from min to max over ${worldSize} ranks, the dark line their median${resolution && `, ${resolution}`}`;
@@ -544,9 +591,9 @@ window.loomRunCharts = (page, run, requestFrame) => {
       elements[panel.metric],
       traces,
       lineLayout(
-        RANK_METRICS[panel.metric].axis,
+        spec.axis,
         hasPoints ? "" : "no steps yet",
-        RANK_METRICS[panel.metric],
+        spec.bytes ? byteAxis(traces) : spec,
         panel.mode !== "band",
       ),
       C.PLOT_CONFIG,
@@ -744,6 +791,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
     const steps = span > 1 ? `${span} steps from %{x}` : "step %{x}";
     // The host of each cell's rank, for the hover: rows share one array per rank.
     const hosts = answer.ranks.map((rank) => new Array(answer.steps.length).fill(hostOf(answer, rank)));
+    const range = colourRange(answer.z);
     const trace = {
       type: "heatmap",
       // Copies: live steps patch the answer's arrays, and the chart must keep what it drew.
@@ -751,9 +799,16 @@ window.loomRunCharts = (page, run, requestFrame) => {
       y: answer.ranks,
       z: answer.z.map((row) => row.slice()),
       customdata: hosts,
-      ...colourRange(answer.z),
+      ...(spec.bytes ? { text: answer.z.map((row) => row.map(C.formatBytes)) } : {}),
+      ...range,
       colorscale: spec.colorscale,
-      colorbar: { title: { text: spec.unit }, thickness: 12 },
+      colorbar: {
+        title: { text: spec.unit },
+        thickness: 12,
+        ...(spec.bytes && range.zmin !== undefined
+          ? { tickmode: "array", ...C.byteTicks(range.zmin, range.zmax) }
+          : {}),
+      },
       hoverongaps: false,
       hovertemplate: `rank %{y} on %{customdata}<br>${steps}: ${spec.hover}<extra></extra>`,
     };
@@ -765,8 +820,15 @@ window.loomRunCharts = (page, run, requestFrame) => {
     const layout = {
       height,
       margin: { ...C.MARGIN, r: 8 },
-      xaxis: { title: { text: "step" }, ...TICKS },
-      yaxis: { title: { text: "rank" }, autorange: "reversed", dtick: Math.max(1, Math.ceil(ranks / 16)), ...TICKS },
+      // No zero lines: Plotly draws them through the cells of rank 0 (and step 0).
+      xaxis: { title: { text: "step" }, zeroline: false, ...TICKS },
+      yaxis: {
+        title: { text: "rank" },
+        autorange: "reversed",
+        dtick: Math.max(1, Math.ceil(ranks / 16)),
+        zeroline: false,
+        ...TICKS,
+      },
       uirevision: `${heatmap.metric}-${answer.attempt}`,
     };
     Plotly.react(elements.heatmap, [trace], layout, C.PLOT_CONFIG);
@@ -946,7 +1008,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
     const logs = [measured, predicted].filter(Boolean).flatMap((matrix) => matrix.z.flat().filter((v) => v !== null));
     const low = logs.length ? Math.floor(Math.min(...logs)) : 0;
     const high = logs.length ? Math.max(low + 1, Math.ceil(Math.max(...logs))) : 1;
-    const ticks = Array.from({ length: high - low + 1 }, (_, index) => low + index);
+    const ticks = C.logByteTicks(low, high);
     const axisRanks = Array.from({ length: answer.measured.bytes.length }, (_, index) => index * answer.block);
     const trace = (matrix, showScale) => ({
       type: "heatmap",
@@ -962,20 +1024,16 @@ window.loomRunCharts = (page, run, requestFrame) => {
         [1, "#172c7a"],
       ],
       showscale: showScale,
-      colorbar: {
-        title: { text: "bytes/step" },
-        tickvals: ticks,
-        ticktext: ticks.map((v) => C.formatBytes(10 ** v)),
-        thickness: 12,
-      },
+      colorbar: { title: { text: "bytes/step" }, tickmode: "array", ...ticks, thickness: 12 },
       hoverongaps: false,
       hovertemplate: "%{text}<extra></extra>",
     });
     const dtick = Math.max(1, Math.ceil(answer.world_size / 16 / answer.block)) * answer.block;
     const layout = (title) => ({
       margin: { l: 56, r: 8, t: 8, b: 44 },
-      xaxis: { title: { text: "receiving rank" }, dtick, constrain: "domain" },
-      yaxis: { title: { text: title }, dtick, autorange: "reversed", scaleanchor: "x" },
+      // No zero lines: Plotly draws them across the cell of ranks (0, 0).
+      xaxis: { title: { text: "receiving rank" }, dtick, constrain: "domain", zeroline: false },
+      yaxis: { title: { text: title }, dtick, autorange: "reversed", scaleanchor: "x", zeroline: false },
       uirevision: `comm-${answer.attempt}`,
     });
     Plotly.react(elements.commMeasured, [trace(measured, !predicted)], layout("sending rank"), C.PLOT_CONFIG);
@@ -1325,5 +1383,5 @@ window.loomRunCharts = (page, run, requestFrame) => {
     return { tokensPerS: tokens, memoryBytes: finite.length ? Math.max(...finite) : null };
   }
 
-  return { setUp, loadSnapshot, applyMetric, applyComm, attemptsChanged, draw, snapshotFigures };
+  return { setUp, loadSnapshot, applyMetric, applyComm, attemptsChanged, draw, snapshotFigures, showHardware };
 };

@@ -18,6 +18,8 @@ from channels.layers import InMemoryChannelLayer
 from playwright.sync_api import expect
 
 from loom.channel_layer import RedisChannelLayer
+from loom.runs.launcher import claim_attempt
+from loom.runs.services import create_run
 
 from ..platform.helpers import TINY_CONFIG, claimed_run
 
@@ -164,6 +166,29 @@ def wait_for_chart(page, element_id: str, condition: str, timeout: float = 30_00
     )
 
 
+def zero_lines(page, element_id: str) -> list[bool]:
+    """Whether Plotly draws its x and y zero lines on the chart, from its layout as drawn."""
+    return page.evaluate(
+        "(id) => { const { xaxis, yaxis } = document.getElementById(id)._fullLayout; "
+        "return [xaxis.zeroline, yaxis.zeroline]; }",
+        element_id,
+    )
+
+
+def tick_labels(page, element_id: str, axis: str) -> list[str]:
+    return page.evaluate(
+        "([id, axis]) => [...document.querySelectorAll(`#${id} .${axis}tick text`)].map((tick) => tick.textContent)",
+        [element_id, axis],
+    )
+
+
+def colour_bar_labels(page, element_id: str) -> list[str]:
+    return page.evaluate(
+        "(id) => [...document.querySelectorAll(`#${id} .cbaxis text`)].map((tick) => tick.textContent)",
+        element_id,
+    )
+
+
 def drawn(page) -> None:
     """Wait until what the page has applied is on its charts: it draws on the next animation frame."""
     page.evaluate("new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)))")
@@ -232,7 +257,10 @@ def test_a_sixteen_rank_run_shows_every_rank_a_straggler_and_its_traffic(sixteen
     page.wait_for_function("window.loomRun.panels.heatmap.metric === 'memory_bytes'")
     (heat,) = chart_data(page, "rank-heatmap")
     assert heat["z"][3][heat["x"].index(300)] == 2**30 + 3 * 2**20 + 300
-    assert "GB" in hover_text(page, "rank-heatmap", 300, 3)
+    # Bytes in binary units, in the hover and on the colour bar (Plotly's own would be SI: "1.074GB").
+    assert "1.00 GiB" in hover_text(page, "rank-heatmap", 300, 3)
+    memory_colours = colour_bar_labels(page, "rank-heatmap")
+    assert memory_colours and all(re.fullmatch(r"\d+(\.\d+)? GiB", label) for label in memory_colours), memory_colours
     page.check('input[name="heatmap-metric"][value="step_time_s"]')
     page.wait_for_function("window.loomRun.panels.heatmap.metric === 'step_time_s'")
 
@@ -253,6 +281,14 @@ def test_a_sixteen_rank_run_shows_every_rank_a_straggler_and_its_traffic(sixteen
     expect(page.locator("#step-time-chart-note")).to_contain_text("shaded from min to max over 16 ranks")
     assert page.locator("#step-time-chart .legend").count() == 0
 
+    # Memory per rank: its axis in binary units too.
+    memory_ticks = tick_labels(page, "memory-chart", "y")
+    assert memory_ticks and all(re.fullmatch(r"\d+(\.\d+)? GiB", label) for label in memory_ticks), memory_ticks
+
+    # No zero line through rank 0's row, and a tick on whole ranks only.
+    assert zero_lines(page, "rank-heatmap") == [False, False]
+    assert all(label.isdigit() for label in tick_labels(page, "rank-heatmap", "y"))
+
     # Traffic: measured rank × rank beside the planner's prediction; the hover names the kind.
     wait_for_chart(page, "comm-measured-chart", "data.length === 1")
     (measured,) = chart_data(page, "comm-measured-chart")
@@ -264,6 +300,12 @@ def test_a_sixteen_rank_run_shows_every_rank_a_straggler_and_its_traffic(sixteen
     assert "rank 0 → rank 1" in text and "tp" in text
     wait_for_chart(page, "comm-predicted-chart", "data.length === 1")
     assert page.evaluate("window.loomRun.panels.comm.window") == [551, 600]
+    for chart in ("comm-measured-chart", "comm-predicted-chart"):
+        assert zero_lines(page, chart) == [False, False], chart
+    # The colour bar (beside the prediction, the two share it) at powers of two in binary units.
+    traffic_colours = colour_bar_labels(page, "comm-predicted-chart")
+    assert len(traffic_colours) >= 2, traffic_colours
+    assert all(re.fullmatch(r"(1|2|4|8|16|32|64|128|256|512) (B|KiB|MiB|GiB)", label) for label in traffic_colours)
     # A kind picked: only the cells that kind carries most of stay.
     page.select_option("#comm-kind", "dp")
     page.wait_for_function("window.loomRun.panels.comm.kind === 'dp'")
@@ -557,6 +599,94 @@ def test_picked_ranks_are_drawn_as_lines(sixteen_ranks, open_logged_in):
     expect(page.locator("#step-time-chart .legend")).to_contain_text("rank 5")
     assert min(lines["rank 5"]["y"]) > max(lines["rank 0"]["y"])
     wait_for_chart(page, "memory-chart", "data.length === 2")
+
+
+PLANNED_CLUSTER = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 2}
+
+
+def started(device: str, device_name: str, at: float) -> dict:
+    payload = {"state": "started", "world_size": 2, "device": device, "device_name": device_name}
+    return {"kind": "state", "time": at, "payload": payload}
+
+
+@pytest.fixture
+def planned_for_h100s(request, platform_user, platform_server):
+    """A 2-rank run created with the planner's estimate for two H100s, whose ranks report that they started
+    on the device the test names, (device, device_name), and trained 30 steps; on CPU without MFU, as the
+    trainer reports there."""
+    device, device_name = request.param
+    run = create_run(platform_user[0], f"planned for H100s, ran on {device_name}", TINY_CONFIG, PLANNED_CLUSTER)
+    attempt, token = claim_attempt(run.attempts.get().pk)
+    ingest = Ingest(f"{platform_server.url}/api/ingest", attempt, token)
+    start = time.time() - 40
+    ingest.post(-1, [launcher_running(attempt, start)])
+    for rank in (0, 1):
+        steps = [metric(rank, step, start + step) for step in range(1, 31)]
+        if device == "cpu":
+            for step in steps:
+                step["payload"]["mfu"] = None
+        ingest.post(rank, [started(device, device_name, start), *steps])
+    return run
+
+
+def layout_of(page, element_id: str) -> dict:
+    return page.evaluate(
+        """(id) => { const { xaxis, yaxis, annotations } = document.getElementById(id)._fullLayout;
+                     return { x: xaxis.visible, y: yaxis.visible, notes: annotations.map((note) => note.text) }; }""",
+        element_id,
+    )
+
+
+@pytest.mark.parametrize("planned_for_h100s", [("cpu", "CPU")], indirect=True)
+def test_a_run_planned_for_gpus_that_ran_on_cpu_says_the_prediction_does_not_apply(planned_for_h100s, open_logged_in):
+    run = planned_for_h100s
+    errors = []
+    page = open_run(open_logged_in, run.pk, errors)
+    expect(page.locator("#prediction-hardware")).to_have_text(
+        "planned for 2 × H100-SXM; this attempt ran on CPU: the prediction does not apply"
+    )
+    expect(page.locator("#measured-heading")).to_have_text("Measured on CPU")
+    expect(page.locator("#predicted-tokens")).to_have_text("–")
+    expect(page.locator("#predicted-memory")).to_have_text("–")
+    # Measured all the same: 1,000 tokens/s of rank 0's batch times 2 data-parallel ranks.
+    expect(page.locator("#measured-tokens")).to_have_text("2,000")
+
+    # No MFU on CPU: a note instead of an empty chart with Plotly's -100 % to 400 % axis.
+    wait_for_chart(page, "loss-chart", "data.length === 1")
+    page.wait_for_function("document.getElementById('mfu-chart')._fullLayout.annotations.length === 1")
+    assert chart_data(page, "mfu-chart") == []
+    assert layout_of(page, "mfu-chart") == {"x": False, "y": False, "notes": ["MFU is not measured on CPU"]}
+    assert layout_of(page, "loss-chart") == {"x": True, "y": True, "notes": []}
+    assert errors == []
+
+
+@pytest.mark.parametrize(
+    ("planned_for_h100s", "note"),
+    [
+        (("cuda:0", "NVIDIA H100 80GB HBM3"), ""),
+        (
+            ("cuda:0", "NVIDIA A100-SXM4-80GB"),
+            "planned for 2 × H100-SXM; this attempt ran on NVIDIA A100-SXM4-80GB: the prediction does not apply",
+        ),
+    ],
+    indirect=["planned_for_h100s"],
+)
+def test_a_run_on_gpus_shows_the_prediction_only_beside_the_gpus_it_was_made_for(
+    planned_for_h100s, open_logged_in, note
+):
+    run = planned_for_h100s
+    device_name = run.name.removeprefix("planned for H100s, ran on ")
+    page = open_run(open_logged_in, run.pk)
+    expect(page.locator("#measured-heading")).to_have_text(f"Measured on {device_name}")
+    hardware_note = page.locator("#prediction-hardware")
+    if note:
+        expect(hardware_note).to_have_text(note)
+        expect(page.locator("#predicted-tokens")).to_have_text("–")
+    else:
+        expect(hardware_note).to_be_hidden()
+        predicted = f"{round(run.estimate['tokens_per_s']):,}"
+        expect(page.locator("#predicted-tokens")).to_have_text(predicted)
+    wait_for_chart(page, "mfu-chart", "data.length === 1")
 
 
 def other_loss(step: int) -> float:
