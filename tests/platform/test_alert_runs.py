@@ -281,7 +281,8 @@ RETAINED = {
     "steps": 40,
     "parallel": {"dp_replicate": 2},
     "checkpoint": {"interval_steps": CHECKPOINT_EVERY, "keep_last": 3},
-    "faults": {"spike_at_step": PINNED_SPIKE_STEP},
+    # Rank 1 slowed for the last steps: a straggler while the ranks run, over once the attempt ends.
+    "faults": {"spike_at_step": PINNED_SPIKE_STEP, "slow_rank": 1, "slow_ms": 400, "slow_from_step": 30},
 }
 
 
@@ -302,13 +303,17 @@ def test_retention_keeps_the_checkpoint_before_a_loss_spike_for_triage_to_restor
     kept = [event.payload for event in run.events.filter(kind="checkpoint", step=10)]
     assert any(payload["state"] == "kept" and pinned_by_spike in payload["reason"] for payload in kept), kept
     assert pinned_by_spike in pins_of(run)[before_spike.pk]
-    gone = run.checkpoints.get(step=5)
-    assert gone.state == "deleted" and not Path(gone.path).exists()
+    gone = list(run.checkpoints.filter(state="deleted"))
+    assert gone and not any(Path(checkpoint.path).exists() for checkpoint in gone)
     on_disk = sorted(path.name for path in Path(before_spike.path).parent.iterdir())
-    assert on_disk[0] == "step-000010" and on_disk[-3:] == ["step-000030", "step-000035", "step-000040"]
+    assert "step-000010" in on_disk and on_disk[-3:] == ["step-000030", "step-000035", "step-000040"]
     # Triage offers restoring from it.
     (view,) = alert_views(run, [spike])
     assert view.restore_from == before_spike
     assert view.skip_steps == (11, PINNED_SPIKE_STEP)
+    # The run succeeded: the straggler ended with it, and took its pin along; the spike waits for a person.
+    straggler = Alert.objects.get(run=run, rule=detectors.STRAGGLER, rank=1)
+    assert (straggler.state, straggler.resolution) == (Alert.RESOLVED, "attempt 1 ended (succeeded)")
+    assert not any(f"alert #{straggler.pk} " in why for reasons in pins_of(run).values() for why in reasons)
     reached = run.events.filter(kind="metric", received_at__lte=spike.opened_at).aggregate(step=Max("step"))["step"]
     print(f"\nthe spike alert opened with metrics stored to step {reached}; retention first reached step 10 at 25")
