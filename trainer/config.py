@@ -167,6 +167,24 @@ class ParallelConfig(_Section):
     def world_size(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
+    @property
+    def data_parallel_path(self) -> Literal["none", "ddp", "fsdp", "hsdp"]:
+        """How loom's trainer keeps the data-parallel ranks in step: "fsdp" (FSDP2 over dp_shard × cp),
+        "hsdp" (FSDP2 on the 2-D dp_replicate × (dp_shard × cp) mesh), "ddp", or "none" (one replica).
+
+        DDP takes only replicas of the whole model: it cannot take tensor-parallel (DTensor) parameters,
+        and under a pipeline schedule its reducer breaks on the second microbatch's backward. Those
+        replicas take HSDP with one shard per replica (dp_shard × cp = 1), which is plain replication
+        with gradients averaged over dp_replicate."""
+        if self.dp_replicate > 1:
+            return "ddp" if self.world_size == self.dp_replicate else "hsdp"
+        return "fsdp" if self.sharding_ranks > 1 else "none"
+
+    @property
+    def fully_shards(self) -> bool:
+        """Whether FSDP2 (fully_shard) holds the parameters and reduces the gradients."""
+        return self.data_parallel_path in ("fsdp", "hsdp")
+
 
 class ComputeConfig(_Section):
     """How each rank computes: precision, activation recompute, compilation and kernels."""

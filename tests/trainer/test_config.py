@@ -97,6 +97,24 @@ def test_a_valid_three_dimensional_layout_counts_its_ranks():
     assert config.parallel.world_size == 8 and config.parallel.data_parallel == 2
 
 
+@pytest.mark.parametrize(
+    "parallel, path",
+    [
+        ({}, "none"),
+        ({"tp": 2, "pp": 2, "microbatches": 2}, "none"),
+        ({"dp_replicate": 4}, "ddp"),
+        ({"dp_shard": 2}, "fsdp"),
+        ({"cp": 2}, "fsdp"),
+        ({"dp_replicate": 2, "dp_shard": 2}, "hsdp"),
+        # DDP takes neither DTensor parameters nor a pipeline's backward per microbatch.
+        ({"dp_replicate": 2, "tp": 2}, "hsdp"),
+        ({"dp_replicate": 2, "pp": 2, "microbatches": 2}, "hsdp"),
+    ],
+)
+def test_only_replicas_of_the_whole_model_take_ddp(parallel, path):
+    assert parse_config({"parallel": parallel}).parallel.data_parallel_path == path
+
+
 def test_compile_with_tensor_parallelism_is_refused_only_with_selective_recompute():
     refused = errors_of({"parallel": {"tp": 2}, "compute": {"compile": True, "recompute": "selective"}})
     assert set(refused) == {"compute.compile"} and "recompute 'full' or 'none'" in refused["compute.compile"]

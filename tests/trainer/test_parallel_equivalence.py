@@ -29,6 +29,9 @@ def layout(micro_batch_divisor: int = 1, recompute: str = "none", compile: bool 
     }
 
 
+# What every layout is compared with: one process, no parallelism.
+REFERENCE = layout()
+
 LAYOUTS = {
     "ddp2": layout(2, dp_replicate=2),
     "fsdp4": layout(4, dp_shard=4),
@@ -51,6 +54,22 @@ LAYOUTS = {
     "tp2_full_recompute_compiled": layout(tp=2, recompute="full", compile=True),
     "cp2": layout(cp=2),
     "cp2xdp2": layout(2, cp=2, dp_replicate=2),
+    "ddp2xtp2": layout(2, dp_replicate=2, tp=2),
+    "ddp2xpp2": layout(2, dp_replicate=2, pp=2, microbatches=2),
+    "fsdp2xpp2": layout(2, dp_shard=2, pp=2, microbatches=2),
+    "fsdp2xcp2": layout(2, dp_shard=2, cp=2),
+    "pp2xtp2": layout(pp=2, tp=2, microbatches=2),
+    "pp2xcp2": layout(pp=2, cp=2, microbatches=2),
+    "tp2xcp2": layout(tp=2, cp=2),
+    "hsdp2x2xtp2": layout(4, dp_replicate=2, dp_shard=2, tp=2),
+    "hsdp2x2xpp2": layout(4, dp_replicate=2, dp_shard=2, pp=2, microbatches=2),
+    "hsdp2x2xcp2": layout(4, dp_replicate=2, dp_shard=2, cp=2),
+    "ddp2xpp2xtp2": layout(2, dp_replicate=2, pp=2, tp=2, microbatches=2),
+    "ddp2xpp2xcp2": layout(2, dp_replicate=2, pp=2, cp=2, microbatches=2),
+    "ddp2xtp2xcp2": layout(2, dp_replicate=2, tp=2, cp=2),
+    "fsdp2xpp2xcp2": layout(2, dp_shard=2, pp=2, cp=2, microbatches=2),
+    "fsdp2xtp2xcp2": layout(2, dp_shard=2, tp=2, cp=2),
+    "pp2xtp2xcp2": layout(pp=2, tp=2, cp=2, microbatches=2),
 }
 
 
@@ -67,9 +86,9 @@ def assert_planner_predicts_state_bytes(run: FinishedRun, document: dict) -> Non
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
-    run = run_trainer(tmp_path_factory.mktemp("single"), layout())
+    run = run_trainer(tmp_path_factory.mktemp("single"), REFERENCE)
     assert run.returncode == 0, run.output[-4000:]
-    assert_planner_predicts_state_bytes(run, layout())
+    assert_planner_predicts_state_bytes(run, REFERENCE)
     return run
 
 

@@ -21,7 +21,7 @@ from trainer.model import Transformer
 
 from .compiled import recompute_and_compile
 from .context import apply_context_parallel
-from .data import apply_ddp, apply_fsdp, shards_parameters
+from .data import apply_ddp, apply_fsdp
 from .mesh import ParallelMesh
 from .pipeline import build_schedule, split_model
 from .tensor import apply_tensor_parallel
@@ -59,10 +59,10 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
         if parallel.cp > 1:
             positions = apply_context_parallel(part, mesh["cp"]).to(device)
         recompute_and_compile(part, config.compute.recompute, config.compute.compile, parallel.tp > 1)
-        if shards_parameters(parallel):
+        if parallel.fully_shards:
             apply_fsdp(part, mesh, parallel, param_dtype)
             wrapped.append(part)
-        elif parallel.data_parallel > 1:
+        elif parallel.data_parallel_path == "ddp":
             wrapped.append(apply_ddp(part, mesh, device))
         else:
             wrapped.append(part)
@@ -125,6 +125,6 @@ def precision_of(config: RunConfig, device: torch.device) -> str:
 
 def _autocast(config: RunConfig, device: torch.device):
     """bf16 autocast where FSDP's mixed-precision policy does not already cast parameters."""
-    if precision_of(config, device) == "bf16" and not shards_parameters(config.parallel):
+    if precision_of(config, device) == "bf16" and not config.parallel.fully_shards:
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext

@@ -1,4 +1,5 @@
-"""Data parallelism over the "dp" dims: FSDP2 when parameters are sharded (HSDP with replicas), else DDP."""
+"""Data parallelism over the "dp" dims, as ParallelConfig.data_parallel_path picks it: FSDP2 (HSDP with
+replicas) or DDP."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from .mesh import ParallelMesh
 
 def apply_fsdp(model: Transformer, mesh: ParallelMesh, parallel: ParallelConfig, param_dtype: torch.dtype) -> None:
     """fully_shard each block, then the root: parameters live sharded and are gathered per block.
-    With dp_replicate > 1 the mesh is 2-D and FSDP2 does HSDP (shard within, all-reduce across)."""
+    With dp_replicate > 1 the mesh is 2-D and FSDP2 does HSDP (shard within, all-reduce across); with
+    dp_shard × cp = 1 each replica is one whole shard and HSDP is plain replication."""
     dims = ("dp_replicate", "dp_shard_cp") if parallel.dp_replicate > 1 else ("dp_shard_cp",)
     # Parameters may compute in bf16, but gradients are reduced and kept in fp32 (master weights).
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -33,7 +35,3 @@ def apply_ddp(module: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn
         # The only buffers are RoPE tables computed identically everywhere; re-syncing them is waste.
         forward_sync_buffers=False,
     )
-
-
-def shards_parameters(parallel: ParallelConfig) -> bool:
-    return parallel.dp_shard * parallel.cp > 1

@@ -91,10 +91,11 @@ def unsharded_embedding_gradient(layout: Layout, tensors: list[ParameterTensor])
     """Elements beyond the shard that a vocab-parallel embedding's gradient takes.
 
     DTensor's backward of the row-wise (vocab-sharded) embedding yields the gradient over the whole
-    vocabulary, pending reduction; FSDP reduce-scatters it into the shard at once, but without
-    sharded gradients each tp rank keeps all vocab × dim of it until the optimizer step."""
+    vocabulary, pending reduction; FSDP2 reduces it into its shard at once (also when it only
+    replicates: HSDP with one shard per replica), but without it or sharded gradients each tp rank
+    keeps all vocab × dim of it until the optimizer step."""
     tp = layout.parallel.tp
-    if tp == 1 or layout.parallel.zero >= 2:
+    if tp == 1 or layout.parallel.zero >= 2 or reduces_block_by_block(layout.parallel):
         return 0
     return sum(t.copies * t.elements * (tp - 1) // tp for t in tensors if t.name == "embedding.weight")
 
@@ -137,12 +138,19 @@ def model_state_terms(layout: Layout, elements: StateElements) -> list[Term]:
     return terms
 
 
+def reduces_block_by_block(parallel) -> bool:
+    """Whether FSDP2 gathers each block's parameters and reduces its gradients: under ZeRO-3, and where
+    it only replicates (HSDP with one shard per replica); ZeRO-1/2 belong to other trainers."""
+    return parallel.fully_shards and parallel.zero in (0, 3)
+
+
 def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[Term]:
     """Working copies of parameters and gradients that communication and mixed precision need."""
     parallel, c = layout.parallel, layout.compute_bytes
     rank_layers = held_layers(layout.model, layout.total_stages, stages_of_rank(parallel, pp_rank))
+    block_by_block = reduces_block_by_block(parallel)
     terms = []
-    if parallel.zero == 3 and parallel.sharding_ranks > 1:
+    if block_by_block:
         per_layer = elements.unsharded / max(rank_layers, 1)
         reduce_bytes = c + (4 if c != 4 else 0)
         if parallel.reshard_after_forward:
@@ -176,7 +184,7 @@ def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[
                 f"buckets hold a copy of every gradient: 4 B × {count(elements.unsharded)}",
             )
         )
-    if parallel.zero in (0, 3) and c == 2 and not (parallel.zero == 3 and parallel.sharding_ranks > 1):
+    if parallel.zero in (0, 3) and c == 2 and not block_by_block:
         terms.append(
             Term(
                 "bf16 weight copies (autocast)",

@@ -1,0 +1,58 @@
+"""Every kind of layout the validator lets the trainer run is in the equivalence matrix.
+
+A layout's kind is which of dp_replicate, dp_shard, tp, pp and cp are above 1, and the
+data-parallel path the trainer takes for it (ParallelConfig.data_parallel_path: DDP, FSDP, HSDP or
+none). Two layouts of one kind run the same code: parallelize() branches on whether a dim is above 1
+and on that path, never on a degree, so dp_shard=4 runs what dp_shard=2 runs on more ranks, and one
+layout with degree 2 in each of its dims stands for all of its kind. The kind with no dim above 1
+is the single process every layout of the matrix is compared with (REFERENCE). Pipeline schedules,
+sequence parallelism, recompute and compile are choices within a kind; the matrix names its own
+layouts for those.
+"""
+
+import itertools
+import math
+
+from trainer.config import ConfigError, ParallelConfig, parse_config
+
+from .test_parallel_equivalence import LAYOUTS, REFERENCE
+
+DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+DEGREES = (1, 2, 4, 8)
+MAX_WORLD_SIZE = 8
+# The equivalence test's run on a model every degree up to 8 divides: layers (pp), heads and
+# kv_heads (tp); its seq_len 32 takes 2 × cp × tp ≤ 16 sequence chunks.
+ROOMY_MODEL = {**REFERENCE["model"], "layers": 8, "heads": 8, "kv_heads": 8}
+
+
+def kind(parallel: ParallelConfig) -> tuple[tuple[str, ...], str]:
+    return tuple(dim for dim in DIMS if getattr(parallel, dim) > 1), parallel.data_parallel_path
+
+
+def runnable_layouts() -> list[ParallelConfig]:
+    """Every combination of degrees on at most MAX_WORLD_SIZE ranks that parse_config accepts as
+    runnable (the rules the API, the designer and the planner's --runnable-only search apply)."""
+    accepted = []
+    for degrees in itertools.product(DEGREES, repeat=len(DIMS)):
+        if math.prod(degrees) > MAX_WORLD_SIZE:
+            continue
+        parallel = dict(zip(DIMS, degrees, strict=True))
+        if parallel["pp"] > 1:
+            parallel["microbatches"] = parallel["pp"]
+        document = {**REFERENCE, "model": ROOMY_MODEL, "parallel": parallel}
+        try:
+            accepted.append(parse_config(document).parallel)
+        except ConfigError:
+            continue
+    return accepted
+
+
+def test_every_runnable_kind_of_layout_has_a_layout_in_the_equivalence_matrix():
+    covered = {kind(parse_config(document).parallel) for document in [REFERENCE, *LAYOUTS.values()]}
+    runnable = runnable_layouts()
+    # Every degree of every dim is among them: the rules did not refuse all but a handful.
+    assert {(dim, getattr(parallel, dim)) for parallel in runnable for dim in DIMS} == {
+        (dim, degree) for dim in DIMS for degree in DEGREES
+    }
+    missing = sorted({kind(parallel) for parallel in runnable} - covered)
+    assert not missing, f"kinds of layout the trainer runs that no equivalence layout covers: {missing}"
