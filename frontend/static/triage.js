@@ -71,6 +71,27 @@ window.loomTriage = (() => {
     return { type: "line", xref: "x", yref: "paper", x0: step, x1: step, y0: 0, y1: 1, line: { dash: "dot" } };
   }
 
+  // At most about 16 rank ticks, each on a whole rank.
+  function rankTickStep(ranks) {
+    return Math.max(1, Math.ceil(ranks / 16));
+  }
+
+  // How the heatmap's hover and colour bar write its values: memory in binary units (Plotly's SI
+  // suffixes would write 50 GB as "50G"), times in seconds.
+  function heatmapValues(heat) {
+    const where = "rank %{y}, step %{x}";
+    if (heat.metric !== "memory_bytes") return { hovertemplate: `${where}: %{z:.3f} s<extra></extra>` };
+    const cells = heat.z.flat().filter((value) => value !== null && Number.isFinite(value));
+    const low = cells.reduce((least, value) => Math.min(least, value), Infinity);
+    const high = cells.reduce((most, value) => Math.max(most, value), -Infinity);
+    const ticks = cells.length ? window.loom.byteTicks(low, high) : {};
+    return {
+      text: heat.z.map((row) => row.map(window.loom.formatBytes)),
+      hovertemplate: `${where}: %{text}<extra></extra>`,
+      colorbar: { title: { text: "bytes" }, tickmode: "array", ...ticks },
+    };
+  }
+
   async function draw(box) {
     const alertId = box.closest(".alert-card").dataset.alert;
     const attempt = Number(box.dataset.attempt);
@@ -106,10 +127,13 @@ window.loomTriage = (() => {
     }));
     Plotly.newPlot(
       box.querySelector(".alert-heatmap"),
-      [{ type: "heatmap", x: heat.steps, y: heat.ranks, z: heat.z, colorscale: "Viridis",
-         hovertemplate: "rank %{y}, step %{x}: %{z}<extra></extra>" }],
+      [{ type: "heatmap", x: heat.steps, y: heat.ranks, z: heat.z, colorscale: "Viridis", ...heatmapValues(heat) }],
       { ...LAYOUT, showlegend: false, title: { text: `${heat.metric} per rank`, font: { size: 13 } },
-        shapes: [...outline, marker(step)], yaxis: { title: "rank", autorange: "reversed" } },
+        shapes: [...outline, marker(step)],
+        // Whole ranks only, and no zero line through rank 0's cells.
+        xaxis: { zeroline: false },
+        yaxis: { title: "rank", autorange: "reversed", tick0: 0, dtick: rankTickStep(heat.ranks.length),
+                 zeroline: false } },
       CONFIG,
     );
     state.drawn[alertId] = { curves: traces.length, heatmap: heat, ranks };

@@ -73,6 +73,16 @@ def test_a_straggler_toast_leads_to_triage_and_a_restore(live_platform, open_log
     ]
     assert max(range(len(means)), key=means.__getitem__) == SLOW_RANK
     assert alert["step"] in drawn["heatmap"]["steps"]
+    # Ticked on whole ranks only (Plotly's own ticks for 4 ranks fall on halves), no zero line across rank 0.
+    heatmap = f"#alert-{alert['id']} .alert-heatmap"
+    rank_ticks = page.evaluate(
+        f"[...document.querySelectorAll('{heatmap} .ytick text')].map((tick) => tick.textContent)"
+    )
+    assert sorted(rank_ticks) == ["0", "1", "2", "3"]
+    zero_lines = (
+        f"(({{ xaxis, yaxis }}) => [xaxis.zeroline, yaxis.zeroline])(document.querySelector('{heatmap}')._fullLayout)"
+    )
+    assert page.evaluate(zero_lines) == [False, False]
 
     # The checkpoint offered is the last committed before the alert's step.
     checkpoints = api(page, "GET", f"/api/runs/{run['id']}/checkpoints")[1]
