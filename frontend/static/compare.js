@@ -11,7 +11,7 @@
     grad_norm: { metric: "grad_norm", axis: "gradient norm", hover: "%{y:.4f}" },
     lr: { metric: "lr", axis: "learning rate", hover: "%{y:.3e}" },
     tokens_per_s: { metric: "tokens_per_s", axis: "tokens/s, all ranks", hover: "%{y:,.0f}" },
-    mfu: { metric: "mfu", axis: "MFU", hover: "%{y:.1%}" },
+    mfu: { metric: "mfu", axis: "MFU", hover: "%{y:.1%}", yaxis: { tickformat: ".0%" } },
   };
   const DASHES = ["solid", "dash", "dot", "dashdot"];
 
@@ -62,7 +62,8 @@
         .sort((a, b) => a - b);
       numbers.forEach((attempt, order) => {
         const curve = attempts[attempt];
-        if (!curve || !curve.step.length) return;
+        // MFU on CPU ranks is reported as missing at every step: such an attempt has no line.
+        if (!curve || !curve.value.some((value) => value !== null)) return;
         const name = numbers.length > 1 ? `${run.name} · attempt ${attempt}` : run.name;
         drawn.push({
           x: curve.step,
@@ -82,10 +83,12 @@
 
   function draw(key, element) {
     const drawn = traces(key);
+    // Without points, a note and no axes: Plotly's range for no data (-1 to 4) means nothing.
+    const shown = { visible: drawn.length > 0 };
     const layout = {
       margin: C.MARGIN,
-      xaxis: { title: { text: "step" } },
-      yaxis: { title: { text: SERIES[key].axis } },
+      xaxis: { title: { text: "step" }, ...shown },
+      yaxis: { title: { text: SERIES[key].axis }, ...SERIES[key].yaxis, ...shown },
       legend: { orientation: "h", y: -0.25 },
       showlegend: true,
       uirevision: "keep-zoom",
@@ -93,7 +96,7 @@
         ? []
         : [
             {
-              text: "no points",
+              text: key === "mfu" ? "no MFU reported: it is not measured on CPU" : "no points",
               showarrow: false,
               xref: "paper",
               yref: "paper",

@@ -657,6 +657,16 @@ def test_a_run_planned_for_gpus_that_ran_on_cpu_says_the_prediction_does_not_app
     assert chart_data(page, "mfu-chart") == []
     assert layout_of(page, "mfu-chart") == {"x": False, "y": False, "notes": ["MFU is not measured on CPU"]}
     assert layout_of(page, "loss-chart") == {"x": True, "y": True, "notes": []}
+
+    page.goto(f"/runs/compare/?runs={run.pk}")
+    wait_for_chart(page, "loss-chart", "data.length === 1")
+    wait_for_chart(page, "mfu-chart", "true")
+    assert chart_data(page, "mfu-chart") == []
+    assert layout_of(page, "mfu-chart") == {
+        "x": False,
+        "y": False,
+        "notes": ["no MFU reported: it is not measured on CPU"],
+    }
     assert errors == []
 
 
