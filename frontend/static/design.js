@@ -18,8 +18,21 @@
   const OP_NAMES = { F: "forward", B: "backward (input)", "B+W": "backward (input + weight)", W: "backward (weight)" };
   const PLOT_CONFIG = { responsive: true, displaylogo: false };
   const CAPACITY_COLOUR = "#c62f3b";
+  const HBM_COLOUR = "#6b7280";
+  const FRAGMENTATION = "allocator fragmentation";
+  const BINARY_UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
+  // What Download names the file after, per export format.
+  const EXPORT_FILES = { torchtitan: "loom-torchtitan.toml", megatron: "loom-megatron-args.txt" };
 
-  const design = { estimate: null, lastRequest: null, errors: {}, traffic: null, search: null, lastSearch: null };
+  const design = {
+    estimate: null,
+    lastRequest: null,
+    errors: {},
+    traffic: null,
+    search: null,
+    lastSearch: null,
+    exported: null,
+  };
   window.loomDesign = design;
 
   const form = document.getElementById("design-form");
@@ -219,15 +232,18 @@
     setText("summary-mfu", percent(estimate.mfu));
     setText("summary-bubble", percent(estimate.bubble_fraction));
     setText("summary-step", formatSeconds(estimate.time.step_s));
-    setText("summary-peak", `${formatBinaryBytes(memory.peak_bytes)} of ${formatBinaryBytes(memory.capacity_bytes)}`);
+    setText("summary-peak", `${formatBinaryBytes(memory.peak_bytes)} of ${formatBinaryBytes(memory.usable_bytes)} usable`);
+    setText("summary-headroom", formatBinaryBytes(memory.headroom_bytes));
     setText("summary-world", `${layout.world_size} of ${layout.gpus_in_cluster}`);
   }
 
-  // One stack per pipeline rank, one trace per term name, and the GPU's HBM as a line.
+  // One stack per pipeline rank, one trace per term name topped by what the allocator holds beyond
+  // them, against two lines: what the allocator may use, and the GPU's memory above it (the CUDA
+  // context and NCCL's buffers take the difference).
   function drawMemory(memory) {
     const ranks = memory.ranks.map((rank) => `pp rank ${rank.pp_rank}`);
     const names = [...new Set(memory.ranks.flatMap((rank) => rank.terms.map((term) => term.name)))];
-    const traces = names.map((name) => {
+    const termTraces = names.map((name) => {
       const terms = memory.ranks.map((rank) => rank.terms.find((term) => term.name === name));
       return {
         type: "bar",
@@ -238,8 +254,19 @@
         hovertemplate: "%{fullData.name}: %{y:.2f} GiB<br>%{customdata}<extra>%{x}</extra>",
       };
     });
+    const fragmentation = {
+      type: "bar",
+      name: FRAGMENTATION,
+      x: ranks,
+      y: memory.ranks.map((rank) => (rank.reserved_bytes - rank.allocated_bytes) / GIB),
+      marker: { color: "#cfd5df" },
+      hovertemplate: "%{fullData.name}: %{y:.2f} GiB<br>blocks the caching allocator holds but cannot reuse<extra>%{x}</extra>",
+    };
+    const traces = [...termTraces, fragmentation];
     const capacity = memory.capacity_bytes / GIB;
-    const top = Math.max(capacity, ...memory.ranks.map((rank) => rank.device_bytes / GIB)) * 1.08;
+    const usable = memory.usable_bytes / GIB;
+    const outside = memory.outside_allocator.map((term) => `${term.name} ${formatBinaryBytes(term.value)}`).join(", ");
+    const top = Math.max(capacity, ...memory.ranks.map((rank) => rank.reserved_bytes / GIB)) * 1.08;
     const layout = {
       barmode: "stack",
       margin: { l: 56, r: 16, t: 8, b: 40 },
@@ -248,14 +275,22 @@
       hoverlabel: { namelength: -1 },
       shapes: [
         {
-          type: "line", xref: "paper", x0: 0, x1: 1, y0: capacity, y1: capacity,
+          type: "line", xref: "paper", x0: 0, x1: 1, y0: usable, y1: usable,
           line: { color: CAPACITY_COLOUR, dash: "dash" },
+        },
+        {
+          type: "line", xref: "paper", x0: 0, x1: 1, y0: capacity, y1: capacity,
+          line: { color: HBM_COLOUR, dash: "dot" },
         },
       ],
       annotations: [
         {
+          xref: "paper", x: 1, y: usable, xanchor: "right", yanchor: "top", showarrow: false,
+          text: `usable ${usable.toFixed(1)} GiB (less ${outside})`, font: { color: CAPACITY_COLOUR },
+        },
+        {
           xref: "paper", x: 1, y: capacity, xanchor: "right", yanchor: "bottom", showarrow: false,
-          text: `HBM ${capacity.toFixed(0)} GiB`, font: { color: CAPACITY_COLOUR },
+          text: `HBM ${capacity.toFixed(1)} GiB`, font: { color: HBM_COLOUR },
         },
       ],
     };
@@ -325,6 +360,8 @@
     Plotly.react("timeline-chart", traces, layout, PLOT_CONFIG);
   }
 
+  // Bytes in one binary unit, the busiest link's: Plotly's own suffixes would write 50 GB as "50G"
+  // or "50B" (billions), which reads as 50 bytes.
   function drawTraffic(matrix) {
     const kinds = Object.entries(matrix.by_kind);
     const hover = matrix.bytes.map((row, source) =>
@@ -332,19 +369,22 @@
         total
           ? kinds
               .filter(([, kindMatrix]) => kindMatrix[source][destination])
-              .map(([kind, kindMatrix]) => `${kind} ${formatBytes(kindMatrix[source][destination])}`)
+              .map(([kind, kindMatrix]) => `${kind} ${formatBinaryBytes(kindMatrix[source][destination])}`)
               .join(", ")
           : "",
       ),
     );
+    const totals = matrix.bytes.map((row) => row.map(formatBinaryBytes));
+    const unit = binaryUnit(Math.max(...matrix.bytes.flat()));
     const trace = {
       type: "heatmap",
-      z: matrix.bytes,
+      z: matrix.bytes.map((row) => row.map((bytes) => bytes / 1024 ** unit)),
       text: hover,
+      customdata: totals,
       // Silence is the page's own background; the busiest link is the accent colour.
       colorscale: [[0, "#f6f7f9"], [1, "#3056d3"]],
-      colorbar: { title: { text: "bytes" } },
-      hovertemplate: "rank %{y} → rank %{x}<br>%{z:.3s}B: %{text}<extra></extra>",
+      colorbar: { title: { text: BINARY_UNITS[unit] }, exponentformat: "none" },
+      hovertemplate: "rank %{y} → rank %{x}<br>%{customdata}: %{text}<extra></extra>",
     };
     // Whole ranks only, about 16 ticks however large the world.
     const dtick = Math.max(1, Math.ceil(matrix.world_size / 16));
@@ -518,11 +558,34 @@
       showMessages(answer.body.errors, []);
       return;
     }
+    design.exported = answer.body;
     document.getElementById("export-heading").textContent = `Export: ${exportFormat}`;
     document.getElementById("export-text").textContent = answer.body.text;
+    const warnings = document.getElementById("export-warnings");
+    warnings.replaceChildren(...answer.body.warnings.map(({ field, message }) => loom.listItem(`${field}: ${message}`)));
+    warnings.hidden = answer.body.warnings.length === 0;
+    setText("export-copy-status", "");
     const panel = document.getElementById("export-panel");
     panel.hidden = false;
     panel.scrollIntoView({ block: "nearest" });
+  }
+
+  async function copyExport() {
+    try {
+      await navigator.clipboard.writeText(design.exported.text);
+      setText("export-copy-status", "copied");
+    } catch (error) {
+      setText("export-copy-status", `copy failed (${error.message}): select the text instead`);
+    }
+  }
+
+  function downloadExport() {
+    const blob = new Blob([`${design.exported.text}\n`], { type: "text/plain" });
+    const link = document.createElement("a");
+    link.href = URL.createObjectURL(blob);
+    link.download = EXPORT_FILES[design.exported.format];
+    link.click();
+    URL.revokeObjectURL(link.href);
   }
 
   // ---- small helpers ----
@@ -551,25 +614,17 @@
     return `${(seconds * 1e6).toPrecision(3)} µs`;
   }
 
-  // Memory in powers of two (what allocators and HBM sizes use); link traffic in powers of ten.
+  // Bytes in powers of two, memory and traffic alike; a negative headroom keeps its sign.
   function formatBinaryBytes(bytes) {
-    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let unit = 0;
-    while (bytes >= 1024 && unit < units.length - 1) {
-      bytes /= 1024;
-      unit += 1;
-    }
-    return `${bytes.toFixed(unit ? 1 : 0)} ${units[unit]}`;
+    const unit = binaryUnit(bytes);
+    const value = bytes / 1024 ** unit;
+    return `${value.toFixed(unit ? 1 : 0)} ${BINARY_UNITS[unit]}`;
   }
 
-  function formatBytes(bytes) {
-    const units = ["B", "KB", "MB", "GB", "TB"];
-    let unit = 0;
-    while (bytes >= 1000 && unit < units.length - 1) {
-      bytes /= 1000;
-      unit += 1;
-    }
-    return `${bytes.toFixed(unit ? 1 : 0)} ${units[unit]}`;
+  // The largest binary unit (a power of 1,024) that keeps `bytes` at 1 or more.
+  function binaryUnit(bytes) {
+    const magnitude = Math.abs(bytes);
+    return magnitude < 1024 ? 0 : Math.min(BINARY_UNITS.length - 1, Math.floor(Math.log2(magnitude) / 10));
   }
 
   function start() {
@@ -584,6 +639,8 @@
     form.addEventListener("submit", (event) => event.preventDefault());
     document.getElementById("launch").addEventListener("click", launch);
     document.getElementById("export").addEventListener("click", exportLayout);
+    document.getElementById("export-copy").addEventListener("click", copyExport);
+    document.getElementById("export-download").addEventListener("click", downloadExport);
     document.getElementById("search").addEventListener("click", runSearch);
     estimateNow();
   }

@@ -25,10 +25,18 @@ TIMELINE_TRACES = """() => document.getElementById("timeline-chart").data.map(
 MEMORY_BARS_FROM_ESTIMATE = """() => {
   const ranks = window.loomDesign.estimate.memory.ranks;
   const names = [...new Set(ranks.flatMap((rank) => rank.terms.map((term) => term.name)))];
-  return Object.fromEntries(names.map((name) => [name, ranks.map((rank) => {
-    const term = rank.terms.find((item) => item.name === name);
-    return term ? term.value / 2 ** 30 : 0;
-  })]));
+  return Object.fromEntries([
+    ...names.map((name) => [name, ranks.map((rank) => {
+      const term = rank.terms.find((item) => item.name === name);
+      return term ? term.value / 2 ** 30 : 0;
+    })]),
+    ["allocator fragmentation", ranks.map((rank) => (rank.reserved_bytes - rank.allocated_bytes) / 2 ** 30)],
+  ]);
+}"""
+# The estimate the planner API gives the bare preset the page opens with, defaults and all.
+BARE_PRESET_ESTIMATE = """async () => {
+  const response = await loom.post("/api/plan/estimate", { config: { model: { preset: "llama3-8b" } } });
+  return response.json();
 }"""
 # Holds back the answers to estimates of one tp degree, so that a later edit's answer arrives first.
 SLOW_ESTIMATES_FOR_TP = """(slowTp) => {
@@ -94,8 +102,12 @@ def test_estimates_follow_the_fields_and_errors_show_beside_them(designer):
     wait_for_estimate(page, "estimate.cluster.nodes === 2")
     before = page.evaluate(MEMORY_BARS)
     assert {"parameters", "activations"} <= set(before) and all(len(bars) == 1 for bars in before.values())
-    capacity = page.evaluate("document.getElementById('memory-chart').layout.shapes[0].y0")
-    assert capacity == pytest.approx(80)
+    usable, hbm = page.evaluate("document.getElementById('memory-chart').layout.shapes.map((line) => line.y0)")
+    assert hbm == pytest.approx(81_559 / 1024)  # an H100's 80 GiB as its driver exposes them
+    assert usable == pytest.approx(page.evaluate("window.loomDesign.estimate.memory.usable_bytes") / 2**30)
+    assert usable < hbm
+    expect(page.locator("#summary-peak")).to_contain_text("GiB usable")
+    expect(page.locator("#summary-headroom")).to_have_text(re.compile(r"^\d+\.\d GiB$"))
 
     set_field(page, "parallel.tp", "2")
     wait_for_estimate(page, "estimate.config.parallel.tp === 2")
@@ -105,7 +117,10 @@ def test_estimates_follow_the_fields_and_errors_show_beside_them(designer):
     assert page.evaluate("window.loomDesign.lastRequest.config.parallel.tp") == 2
     page.wait_for_function("document.getElementById('traffic-chart').data?.[0]?.z.length === 16")
     hover = page.evaluate("document.getElementById('traffic-chart').data[0].text[0]")
-    assert re.match(r"tp \d", hover[1]) and hover[0] == ""  # rank 0 sends to its tp peer, not itself
+    assert re.match(r"tp \d+\.\d [KMG]iB$", hover[1]) and hover[0] == ""  # rank 0 sends to its tp peer only
+    heatmap = page.evaluate("document.getElementById('traffic-chart').data[0]")
+    assert heatmap["colorbar"]["title"]["text"] in ("KiB", "MiB", "GiB")
+    assert re.match(r"\d+\.\d [KMG]iB$", heatmap["customdata"][0][1])
 
     set_field(page, "parallel.tp", "3")
     expect(field_error(page, "parallel.tp")).to_contain_text("must divide model.heads=32")
@@ -185,6 +200,40 @@ def test_a_search_result_loads_into_the_form(designer):
         f"estimate.config.parallel.pp === {smallest['parallel']['pp']} && "
         f"estimate.config.compute.recompute === '{smallest['compute']['recompute']}'",
     )
+
+
+def test_the_page_opens_with_the_planners_defaults(designer):
+    """The designer's starting form is the bare preset with the planning defaults the CLI and the API
+    apply: the page's first estimate is the API's for {"preset": "llama3-8b"} alone."""
+    page = designer
+    drawn = page.evaluate("window.loomDesign.estimate")
+    bare = page.evaluate(BARE_PRESET_ESTIMATE)
+    assert bare["defaults"]["parallel.dp_shard"] == 8
+    assert drawn["config"] == bare["config"]
+    assert drawn["memory"]["peak_bytes"] == bare["memory"]["peak_bytes"]
+    assert drawn["tokens_per_s"] == bare["tokens_per_s"]
+
+
+def test_export_copies_and_downloads_the_exported_text(designer, tmp_path):
+    page = designer
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page.select_option("#export-format", "megatron")
+    page.click("#export")
+    expect(page.locator("#export-text")).to_contain_text("--rotary-base=500000")
+    expect(page.locator("#export-warnings")).to_contain_text("optimizer.lr: lr 0.003 is loom's demo default")
+    exported = page.locator("#export-text").text_content()
+
+    page.click("#export-copy")
+    expect(page.locator("#export-copy-status")).to_have_text("copied")
+    assert page.evaluate("navigator.clipboard.readText()") == exported
+
+    with page.expect_download() as waiting:
+        page.click("#export-download")
+    download = waiting.value
+    assert download.suggested_filename == "loom-megatron-args.txt"
+    saved = tmp_path / download.suggested_filename
+    download.save_as(saved)
+    assert saved.read_text() == exported + "\n"
 
 
 def test_export_shows_the_layout_for_another_trainer(designer):

@@ -189,3 +189,57 @@ def test_predicted_traffic_has_the_layout_structure():
 def test_the_planner_loads_without_torch():
     probe = "import sys; import trainer.plan.estimate, trainer.plan.schedule; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+# ---- what a GPU can give its tensors ----
+
+GIB = 2**30
+MIB = 2**20
+
+
+def test_a_layout_peaking_just_under_the_hbm_does_not_fit():
+    """Llama 3 8B cut to 26 layers, no recompute, 2 × 8,192 tokens a rank: the allocator peaks at 79.0
+    GiB, under the H100's 80 GiB and the 79.6 GiB its driver exposes, but the CUDA context and NCCL's
+    buffers need their share too."""
+    document = {
+        "model": {"preset": "llama3-8b", "layers": 26},
+        "parallel": {"dp_shard": 8},
+        "compute": {"precision": "bf16", "recompute": "none"},
+        "data": {"micro_batch": 2},
+    }
+    result = estimate(document, {"gpu": "H100-SXM"}, timeline=False)
+    memory = result.to_json(timeline=False)["memory"]
+    assert memory["capacity_bytes"] == 81_559 * MIB
+    assert 78.9 * GIB < memory["peak_bytes"] < memory["capacity_bytes"] < 80 * GIB
+    assert memory["usable_bytes"] < memory["peak_bytes"]
+    assert memory["headroom_bytes"] == memory["usable_bytes"] - memory["peak_bytes"] < 0
+    assert memory["fits"] is False
+    assert any(w["field"] == "memory" and "GiB usable" in w["message"] for w in result.warnings)
+
+
+def test_usable_memory_is_the_gpu_less_the_cuda_context_and_nccls_buffers_per_communicator():
+    document = {
+        "model": {"preset": "llama3-8b"},
+        "parallel": {"dp_shard": 8},
+        "compute": {"recompute": "selective"},
+        "data": {"micro_batch": 1},
+    }
+    fsdp = estimate(document, {}, timeline=False)
+    memory = fsdp.to_json(timeline=False)["memory"]
+    outside = {term["name"]: term["value"] for term in memory["outside_allocator"]}
+    # 16 channels × 2 peers × (Simple 4 MiB + LL128 4,915,200 B + LL 512 KiB): one FSDP communicator.
+    assert outside == {"CUDA context": 0.75 * GIB, "NCCL buffers": 16 * 2 * (4 * MIB + 4_915_200 + 512 * 1024)}
+    assert memory["usable_bytes"] == memory["capacity_bytes"] - sum(outside.values())
+    assert memory["headroom_bytes"] == pytest.approx(memory["usable_bytes"] - memory["peak_bytes"])
+    assert memory["headroom_bytes"] > 0 and memory["fits"]
+
+    # tp, cp, the FSDP group over dp_shard × cp, and two pipeline neighbours: five communicators.
+    layered = {"tp": 2, "cp": 2, "dp_shard": 2, "pp": 4, "microbatches": 4}
+    wide = estimate(
+        {"model": {"preset": "llama3-8b"}, "parallel": layered, "data": {"micro_batch": 4}},
+        {"nodes": 4},
+        timeline=False,
+    )
+    nccl = next(term for term in wide.outside_allocator if term.name == "NCCL buffers")
+    assert nccl.value == 5 * outside["NCCL buffers"]
+    assert wide.usable_bytes == memory["capacity_bytes"] - 0.75 * GIB - nccl.value

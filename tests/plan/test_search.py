@@ -63,7 +63,7 @@ def test_every_figure_is_the_estimate_of_the_returned_config(llama70b):
         assert found.tokens_per_s == pytest.approx(result.tokens_per_s, rel=1e-9)
         assert found.mfu == pytest.approx(result.mfu, rel=1e-9)
         assert found.step_s == pytest.approx(result.step_s, rel=1e-9)
-        assert found.peak_bytes == pytest.approx(result.peak.device_bytes, rel=1e-9)
+        assert found.peak_bytes == pytest.approx(result.peak.reserved_bytes, rel=1e-9)
         assert found.bubble_fraction == pytest.approx(result.bubble_fraction, rel=1e-9, abs=1e-12)
 
 
@@ -137,9 +137,9 @@ def test_the_pruned_search_equals_timing_every_layout(model, cluster, global_bat
     fastest = sorted((each.tokens_per_s for each in fitting), reverse=True)[:20]
     assert [found.tokens_per_s for found in result.results] == pytest.approx(fastest, rel=1e-9)
     front = []
-    for each in sorted(fitting, key=lambda each: (each.peak.device_bytes, -each.tokens_per_s)):
+    for each in sorted(fitting, key=lambda each: (each.peak.reserved_bytes, -each.tokens_per_s)):
         if not front or each.tokens_per_s > front[-1][1]:
-            front.append((each.peak.device_bytes, each.tokens_per_s))
+            front.append((each.peak.reserved_bytes, each.tokens_per_s))
     found = [value for point in result.pareto for value in (point.peak_bytes, point.tokens_per_s)]
     assert found == pytest.approx([value for point in front for value in point], rel=1e-9)
 
@@ -266,7 +266,7 @@ def test_memory_never_grows_with_more_microbatches_or_more_recompute(schedule, s
     by_mode = {}
     for recompute in RECOMPUTE_LEANEST_FIRST:
         counts = [m for m in (32, 16, 8, 4) if _schedule_runs(schedule, 2, m, stages_per_rank)]
-        peaks = [each.peak.device_bytes for each in estimates_along(parallel, 32, recompute, counts)]
+        peaks = [each.peak.reserved_bytes for each in estimates_along(parallel, 32, recompute, counts)]
         assert peaks == sorted(peaks), (recompute, counts, peaks)
         by_mode[recompute] = peaks
     assert by_mode["full"] <= by_mode["selective"] <= by_mode["none"]
@@ -317,7 +317,7 @@ def test_a_model_too_big_for_the_cluster_returns_nothing_and_says_why():
     result = search({"preset": "llama3-405b"}, {"gpu": "H100-SXM", "nodes": 1}, 8)
     assert result.results == [] and result.pareto == [] and result.fitting == 0
     assert result.valid > 0
-    assert "none of the" in result.message and "fits in 80 GiB" in result.message and "leanest" in result.message
+    assert "none of the" in result.message and "fits in 79.6 GiB" in result.message and "leanest" in result.message
     assert result.to_json()["message"] == result.message
 
 

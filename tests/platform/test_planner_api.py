@@ -15,7 +15,6 @@ from .helpers import TINY_CONFIG
 
 pytestmark = pytest.mark.django_db
 
-GIB = 2**30
 REPO = Path(__file__).resolve().parents[2]
 LLAMA3_8B_TP2 = {
     "model": {"preset": "llama3-8b"},
@@ -52,7 +51,10 @@ def test_estimate_answers_memory_time_and_throughput_with_their_terms(client, to
     estimate = response.json()
     assert estimate["config"]["model"]["layers"] == 32  # the preset, filled in
     assert estimate["layout"]["world_size"] == 8
-    assert estimate["memory"]["capacity_bytes"] == 80 * GIB
+    memory = estimate["memory"]
+    assert memory["capacity_bytes"] == 81_559 * 2**20  # nvidia-smi's total for an H100 80GB
+    assert memory["usable_bytes"] < memory["capacity_bytes"]
+    assert memory["headroom_bytes"] == pytest.approx(memory["usable_bytes"] - memory["peak_bytes"])
     (rank,) = estimate["memory"]["ranks"]
     assert {"parameters", "optimizer states", "activations"} <= {term["name"] for term in rank["terms"]}
     assert all(term["formula"] for term in rank["terms"])
@@ -137,7 +139,7 @@ def test_the_catalog_lists_presets_gpus_and_schedules(client, token):
     presets = {preset["name"]: preset["model"] for preset in catalog["presets"]}
     assert presets["llama3-70b"]["layers"] == 80
     gpus = {gpu["name"]: gpu for gpu in catalog["gpus"]}
-    assert gpus["H100-SXM"]["memory_bytes"] == 80 * GIB
+    assert gpus["H100-SXM"]["memory_bytes"] == 81_559 * 2**20
     assert gpus["H100-SXM"]["peak_bf16_tflops"] == pytest.approx(989)
     assert "ZBVZeroBubble" in catalog["schedules"]
 

@@ -177,11 +177,21 @@ def memory_table(result: Estimate) -> str:
         [name] + [gib(next((t.value for t in rank.terms if t.name == name), None)) for rank in ranks] for name in names
     ]
     rows.append(["allocated"] + [gib(rank.allocated_bytes) for rank in ranks])
-    rows.append(["device (allocator margin, CUDA context)"] + [gib(rank.device_bytes) for rank in ranks])
+    rows.append(["reserved (allocator fragmentation)"] + [gib(rank.reserved_bytes) for rank in ranks])
     capacity = result.cluster.gpu_type.memory_bytes
     verdict = "fits" if result.fits else f"does NOT fit (pipeline rank {result.peak.pp_rank})"
-    title = f"Memory per GPU, GiB — capacity {capacity / GIB:.0f} GiB: {verdict}"
-    return title + "\n" + table(["term"] + [f"pp rank {rank.pp_rank}" for rank in ranks], rows)
+    title = (
+        f"Memory per GPU, GiB — usable {gib(result.usable_bytes)} of {gib(capacity)}, "
+        f"headroom {gib(result.headroom_bytes)}: {verdict}"
+    )
+    outside = "\n".join(f"  {term.name}: {gib(term.value)} GiB ({term.formula})" for term in result.outside_allocator)
+    return (
+        title
+        + "\n"
+        + table(["term"] + [f"pp rank {rank.pp_rank}" for rank in ranks], rows)
+        + "\nOutside the allocator, per GPU\n"
+        + outside
+    )
 
 
 def time_table(result: Estimate) -> str:

@@ -10,7 +10,13 @@ from trainer.plan.communication import IN_LAYER_KINDS, Traffic, expose, groups, 
 from trainer.plan.compute import RankCompute, model_flops_per_token, stages_compute
 from trainer.plan.hardware import ClusterSpec, parse_cluster
 from trainer.plan.layout import Layout
-from trainer.plan.memory import RankMemory, memory_per_rank, rank_state_elements, state_elements
+from trainer.plan.memory import (
+    RankMemory,
+    layout_outside_allocator_terms,
+    memory_per_rank,
+    rank_state_elements,
+    state_elements,
+)
 from trainer.plan.parameters import RankHolding, rank_holding, stages_of_rank, total_parameters
 from trainer.plan.presets import with_preset
 from trainer.plan.schedule import Timeline, closed_form_bubble, simulate
@@ -84,11 +90,26 @@ class Estimate:
 
     @property
     def peak(self) -> RankMemory:
-        return max(self.memory, key=lambda rank: rank.device_bytes)
+        return max(self.memory, key=lambda rank: rank.reserved_bytes)
+
+    @property
+    def outside_allocator(self) -> list[Term]:
+        """What each process takes of the GPU besides the allocator: CUDA context, NCCL buffers."""
+        return layout_outside_allocator_terms(self.layout)
+
+    @property
+    def usable_bytes(self) -> float:
+        """The GPU's memory less what lies outside the allocator: what the allocator can hold."""
+        return self.cluster.gpu_type.memory_bytes - sum(term.value for term in self.outside_allocator)
+
+    @property
+    def headroom_bytes(self) -> float:
+        """Usable memory the fullest rank leaves at its peak; negative: it does not fit."""
+        return self.usable_bytes - self.peak.reserved_bytes
 
     @property
     def fits(self) -> bool:
-        return self.peak.device_bytes <= self.cluster.gpu_type.memory_bytes
+        return self.headroom_bytes >= 0
 
     def comm_by_kind(self) -> dict[str, dict]:
         """Per group kind, over the pipeline rank that spends longest communicating."""
@@ -126,7 +147,10 @@ class Estimate:
             },
             "memory": {
                 "capacity_bytes": self.cluster.gpu_type.memory_bytes,
-                "peak_bytes": peak.device_bytes,
+                "outside_allocator": [term.to_json() for term in self.outside_allocator],
+                "usable_bytes": self.usable_bytes,
+                "peak_bytes": peak.reserved_bytes,
+                "headroom_bytes": self.headroom_bytes,
                 "peak_allocated_bytes": peak.allocated_bytes,
                 "peak_pp_rank": peak.pp_rank,
                 "fits": self.fits,
@@ -358,8 +382,9 @@ def warnings(result: Estimate) -> list[dict]:
         found.append(
             (
                 "memory",
-                f"does not fit: pipeline rank {peak.pp_rank} needs {peak.device_bytes / 2**30:.1f} "
-                f"GiB of {cluster.gpu_type.memory_bytes / 2**30:.0f} GiB; "
+                f"does not fit: pipeline rank {peak.pp_rank} needs {peak.reserved_bytes / 2**30:.1f} GiB of "
+                f"the {result.usable_bytes / 2**30:.1f} GiB usable ({cluster.gpu_type.memory_bytes / 2**30:.1f} "
+                "GiB less the CUDA context and NCCL's buffers); "
                 f"largest part: {max(peak.terms, key=lambda t: t.value).name}",
             )
         )

@@ -5,6 +5,10 @@ efficiency is the fraction of that peak a well-tuned transformer's matmuls and a
 end to end on that GPU (Megatron-LM and torchtitan report 50–60 % MFU on A100/H100 for large
 models, which includes their exposed communication; the kernels alone run faster). Link figures
 are per GPU and per direction: NVLink inside a node, the GPU's share of the network between nodes.
+Memory is what the driver exposes, nvidia-smi's memory.total as these GPUs report it: all of the
+A100's 40 or 80 GiB; 81,559 MiB of an H100's 80 GiB (79.6 GiB); 143,771 MiB of an H200 (140.4 GiB,
+sold as 141 GB); 183,359 MiB of a B200 (179.1 GiB, sold as 180 GB). What a process can give its
+tensors is less again: trainer.plan.memory reserves the CUDA context and NCCL's buffers.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from trainer.config import ConfigError, field_errors
 
 GIB = 2**30
+MIB = 2**20
 GB = 10**9
 
 
@@ -25,6 +30,7 @@ class GpuType:
     peak_bf16_flops: float
     peak_fp8_flops: float | None
     memory_bytes: int
+    """HBM the driver exposes (nvidia-smi's memory.total)."""
     memory_bandwidth: float
     """HBM bytes per second."""
     compute_efficiency: float
@@ -40,10 +46,10 @@ GPU_TYPES: dict[str, GpuType] = {
     for gpu in (
         GpuType("A100-40GB", 312e12, None, 40 * GIB, 1.555e12, 0.62, 300 * GB, 25 * GB),
         GpuType("A100-80GB", 312e12, None, 80 * GIB, 2.039e12, 0.62, 300 * GB, 25 * GB),
-        GpuType("H100-SXM", 989e12, 1979e12, 80 * GIB, 3.35e12, 0.58, 450 * GB, 50 * GB),
-        GpuType("H100-PCIe", 756e12, 1513e12, 80 * GIB, 2.0e12, 0.55, 64 * GB, 50 * GB),
-        GpuType("H200", 989e12, 1979e12, 141 * GB, 4.8e12, 0.60, 450 * GB, 50 * GB),
-        GpuType("B200", 2250e12, 4500e12, 180 * GB, 8.0e12, 0.55, 900 * GB, 100 * GB),
+        GpuType("H100-SXM", 989e12, 1979e12, 81_559 * MIB, 3.35e12, 0.58, 450 * GB, 50 * GB),
+        GpuType("H100-PCIe", 756e12, 1513e12, 81_559 * MIB, 2.0e12, 0.55, 64 * GB, 50 * GB),
+        GpuType("H200", 989e12, 1979e12, 143_771 * MIB, 4.8e12, 0.60, 450 * GB, 50 * GB),
+        GpuType("B200", 2250e12, 4500e12, 183_359 * MIB, 8.0e12, 0.55, 900 * GB, 100 * GB),
     )
 }
 

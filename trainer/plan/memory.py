@@ -24,10 +24,25 @@ from trainer.plan.parameters import ParameterTensor, held_layers, local_elements
 from trainer.plan.terms import Term, count, total
 
 GIB = 2**30
-# What the caching allocator reserves beyond what tensors use (fragmentation, rounding), and what
-# the CUDA context, cuBLAS and NCCL take outside the allocator.
+MIB = 2**20
+# What PyTorch's caching allocator holds beyond what tensors use: blocks split and rounded up that
+# cannot serve the next request (fragmentation). torch.cuda.max_memory_reserved runs a few to ~10 %
+# above max_memory_allocated in steady training without expandable segments.
 ALLOCATOR_MARGIN = 0.07
+# Outside the allocator, per process: the CUDA context (driver state, module images of PyTorch's
+# kernels loaded lazily, cuBLAS/cuBLASLt workspaces), 0.5-1 GiB as nvidia-smi shows for a torch
+# process that has run a training step on an A100/H100.
 CONTEXT_BYTES = 0.75 * GIB
+# NCCL's buffers, per communicator a rank belongs to: per channel and connected peer, one buffer per
+# protocol, Simple's NCCL_BUFFSIZE (4 MiB by default), LL128's 120 elements x 640 threads x 8 steps
+# x 8 B and LL's 8 lines x 512 threads x 8 steps x 16 B (NCCL's src/include/device.h). With 16
+# channels (what NCCL opens over NVLink) and 2 connected peers each (ring neighbour, tree parent or
+# child; NCCL >= 2.22 connects the algorithms it uses only): 294 MiB. NVLS (NVLink SHARP) buffers
+# come on top where NCCL enables them; NCCL_BUFFSIZE and NCCL_MAX_NCHANNELS move the figure.
+NCCL_CONNECTION_BYTES = 4 * MIB + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
+NCCL_CHANNELS = 16
+NCCL_PEERS_PER_CHANNEL = 2
+NCCL_COMMUNICATOR_BYTES = NCCL_CHANNELS * NCCL_PEERS_PER_CHANNEL * NCCL_CONNECTION_BYTES
 
 
 def in_flight_microbatches(layout: Layout, pp_rank: int) -> float:
@@ -256,10 +271,38 @@ def pipeline_buffer_term(layout: Layout) -> list[Term]:
     ]
 
 
-def device_bytes(allocated: float) -> float:
-    """What the GPU must have for a peak of `allocated` tensor bytes: the allocator's margin and the
-    CUDA context on top."""
-    return allocated * (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES
+def reserved_bytes(allocated: float) -> float:
+    """What the caching allocator holds for a peak of `allocated` tensor bytes: its fragmentation on top."""
+    return allocated * (1 + ALLOCATOR_MARGIN)
+
+
+def communicators(tp: int, cp: int, pp: int, dp_replicate: int, dp_shard: int, ep: int) -> int:
+    """NCCL communicators each rank joins: one per process group wider than one rank (tp, cp, the FSDP
+    group over dp_shard × cp, dp_replicate, ep), and one per pipeline neighbour (PyTorch gives each
+    send/recv pair its own)."""
+    groups = [tp, cp, dp_shard * cp if dp_shard > 1 else 1, dp_replicate, ep]
+    return sum(size > 1 for size in groups) + min(pp - 1, 2)
+
+
+def outside_allocator_terms(tp: int, cp: int, pp: int, dp_replicate: int, dp_shard: int, ep: int) -> list[Term]:
+    """What each process takes of the GPU besides the caching allocator's blocks."""
+    joined = communicators(tp, cp, pp, dp_replicate, dp_shard, ep)
+    return [
+        Term("CUDA context", CONTEXT_BYTES, "driver, kernels and cuBLAS workspaces: 0.5-1 GiB per process"),
+        Term(
+            "NCCL buffers",
+            joined * NCCL_COMMUNICATOR_BYTES,
+            f"{joined} communicator(s) × {NCCL_CHANNELS} channels × {NCCL_PEERS_PER_CHANNEL} peers × "
+            f"{NCCL_CONNECTION_BYTES / MIB:.2f} MiB (Simple 4 MiB + LL128 + LL buffers)",
+        ),
+    ]
+
+
+def layout_outside_allocator_terms(layout: Layout) -> list[Term]:
+    parallel = layout.parallel
+    return outside_allocator_terms(
+        parallel.tp, parallel.cp, parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.ep
+    )
 
 
 @dataclass(frozen=True)
@@ -274,15 +317,16 @@ class RankMemory:
         return total(self.terms)
 
     @property
-    def device_bytes(self) -> float:
-        return device_bytes(self.allocated_bytes)
+    def reserved_bytes(self) -> float:
+        """What torch.cuda.max_memory_reserved would show at the peak."""
+        return reserved_bytes(self.allocated_bytes)
 
     def to_json(self) -> dict:
         return {
             "pp_rank": self.pp_rank,
             "stages": self.stages,
             "allocated_bytes": self.allocated_bytes,
-            "device_bytes": self.device_bytes,
+            "reserved_bytes": self.reserved_bytes,
             "terms": [term.to_json() for term in self.terms],
         }
 

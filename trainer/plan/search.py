@@ -32,7 +32,8 @@ own functions once and shared by every layout that agrees on what the part reads
 - communication (`rank_time_from`, `data_parallel_traffic`, `time_traffic`, `expose`): the pipeline's
   part per layout without its data-parallel split, the data-parallel part per split without the schedule;
 - the step time (`pipeline_seconds`, `step_seconds`, `optimizer_seconds`) and the peak memory
-  (`device_bytes`) are added up as the estimate adds them.
+  (`reserved_bytes`, against the GPU less `outside_allocator_terms`) are added up as the estimate
+  adds them.
 
 And it prunes with properties of the cost model, each checked against the estimate in
 tests/plan/test_search.py. Memory never grows with more recompute or with more microbatches of the
@@ -60,7 +61,7 @@ JSON (`SearchResult.to_json()`):
              "config": the full run-config document, defaults filled in (what "Launch" sends),
              "summary": "tp8 pp4 Interleaved1F1B×2 m8 dp_shard2 selective",
              "runnable": whether loom's trainer runs it today (ZeRO-1/2, fp8 and MoE it only plans),
-             "tokens_per_s", "mfu", "step_s", "peak_bytes" (device bytes of the fullest GPU),
+             "tokens_per_s", "mfu", "step_s", "peak_bytes" (what the allocator holds on the fullest GPU),
              "bubble_fraction"}
 """
 
@@ -104,10 +105,11 @@ from trainer.plan.memory import (
     StateElements,
     activation_terms,
     buffer_terms,
-    device_bytes,
     in_flight_microbatches,
     model_state_terms,
+    outside_allocator_terms,
     pipeline_buffer_term,
+    reserved_bytes,
     state_elements,
 )
 from trainer.plan.parameters import RankHolding, rank_holding
@@ -508,6 +510,7 @@ class Pricer:
         self._data_parallel_of: dict = {}
         self._fewest_microbatches_busy: dict = {}
         self._pipeline_s: dict = {}
+        self._outside: dict = {}
 
     def _layout(self, candidate: Candidate) -> Layout:
         return Layout(self.space.config(candidate))
@@ -532,6 +535,14 @@ class Pricer:
         return self._placement(candidate).holdings[rank]
 
     # ---- memory ----
+
+    def _outside_allocator_bytes(self, candidate: Candidate) -> float:
+        """The CUDA context and NCCL buffers, which take from the GPU what the allocator cannot."""
+        data = candidate.data
+        key = (candidate.tp, candidate.cp, candidate.pp, data.dp_replicate, data.dp_shard, data.ep)
+        if key not in self._outside:
+            self._outside[key] = total(outside_allocator_terms(*key))
+        return self._outside[key]
 
     def price_memory(self) -> list[tuple[float, float, Candidate]]:
         """(peak device bytes, a lower bound on the step time, layout) of every fitting layout."""
@@ -590,17 +601,18 @@ class Pricer:
         fits, kept, leanest = [], [], None
         for state in states:
             choice, state_bytes, optimizer_s = state
-            peak = device_bytes(max(map(add, state_bytes, activations)))
-            if peak <= self.capacity:
-                layout = Candidate(tp, cp, pp, pipeline, choice, recompute, micro_batch)
+            layout = Candidate(tp, cp, pp, pipeline, choice, recompute, micro_batch)
+            peak = reserved_bytes(max(map(add, state_bytes, activations)))
+            device = peak + self._outside_allocator_bytes(layout)
+            if device <= self.capacity:
                 if choice.ep not in busiest_by_ep:
                     busiest_by_ep[choice.ep] = self._fewest_microbatches_busy_s(layout)
                 # Before any communication that compute may hide is priced: a lower bound.
                 bound_s = step_seconds(pipeline_seconds(busiest_by_ep[choice.ep], bubble), 0.0, 0.0, optimizer_s)
                 fits.append((peak, bound_s, layout))
                 kept.append(state)
-            elif leanest is None or peak < leanest[0]:
-                leanest = (peak, choice)
+            elif leanest is None or device < leanest[0]:
+                leanest = (device, choice)
         if not fits and leanest and (self.leanest is None or leanest[0] < self.leanest[0]):
             self.leanest = (leanest[0], candidate._replace(data=leanest[1]))
         return fits, kept
@@ -890,7 +902,7 @@ class Pricer:
         peak, candidate = self.leanest
         valid = "runnable" if self.space.runnable_only else "valid"
         return (
-            f"none of the {self.valid:,} {valid} layouts of {gpus} fits in {self.capacity / GIB:.0f} GiB per GPU; "
-            f"the leanest ({summarize(candidate)}) needs {peak / GIB:.0f} GiB: use more GPUs, a smaller model "
-            "or a shorter sequence"
+            f"none of the {self.valid:,} {valid} layouts of {gpus} fits in {self.capacity / GIB:.1f} GiB per GPU; "
+            f"the leanest ({summarize(candidate)}) needs {peak / GIB:.0f} GiB with the CUDA context and NCCL's "
+            "buffers: use more GPUs, a smaller model or a shorter sequence"
         )

@@ -18,7 +18,15 @@ TERA = 1e12
 SEARCH_LIMIT_MAX = 100
 # What a run keeps of its estimate: the headline numbers and where they came from, not the
 # per-op communication breakdown or the per-rank memory terms the designer draws.
-STORED_MEMORY_KEYS = ("capacity_bytes", "peak_bytes", "peak_allocated_bytes", "peak_pp_rank", "fits")
+STORED_MEMORY_KEYS = (
+    "capacity_bytes",
+    "usable_bytes",
+    "peak_bytes",
+    "headroom_bytes",
+    "peak_allocated_bytes",
+    "peak_pp_rank",
+    "fits",
+)
 
 
 def catalog() -> dict:
