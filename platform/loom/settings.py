@@ -22,6 +22,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    # Its templates and static files: /api/docs serves Swagger UI from this server, not from a CDN.
+    "ninja",
     "loom.accounts",
     "loom.runs",
     "loom.telemetry",
