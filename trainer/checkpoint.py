@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from trainer import faults
-from trainer.config import RunConfig
+from trainer.config import ModelConfig, RunConfig
 from trainer.telemetry import PlatformUnreachable, TelemetryClient
 
 MANIFEST = "manifest.json"
@@ -477,7 +477,10 @@ class Checkpointer:
         return manifest
 
     def _check_model(self, path: Path, manifest: dict[str, Any]) -> None:
-        saved, wanted = manifest.get("model") or {}, self.config.model.model_dump()
+        # A model field added after the checkpoint was written (rope_theta) is missing from its
+        # manifest; the field's default is what every model was built with before it existed.
+        saved = {**ModelConfig().model_dump(), **(manifest.get("model") or {})}
+        wanted = self.config.model.model_dump()
         differing = [f"model.{key}={saved.get(key)!r}" for key in wanted if saved.get(key) != wanted[key]]
         if differing:
             raise CheckpointError(

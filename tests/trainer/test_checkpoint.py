@@ -396,6 +396,20 @@ def test_resuming_halfway_repeats_the_straight_run_exactly(straight, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_from_before_rope_theta_resumes(straight, tmp_path):
+    """Manifests written before model.rope_theta existed do not name it; their models used its default."""
+    run, directory = straight
+    older = tmp_path / "step-000003"
+    shutil.copytree(directory / "step-000003", older)
+    manifest = json.loads((older / MANIFEST).read_text())
+    del manifest["model"]["rope_theta"]
+    (older / MANIFEST).write_text(json.dumps(manifest))
+    resumed = run_trainer(tmp_path, fsdp2({"resume": str(older), "directory": str(tmp_path / "checkpoints")}))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert resumed.loss_means() == run.loss_means()[HALF:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
     [
