@@ -77,6 +77,8 @@ def test_launch_warnings_compare_the_estimate_with_the_launchers_gpus():
     assert "the planner has no figures for them" in launch_warnings(config, estimate, ("Tesla T4",))["cluster.gpu"]
     assert set(launch_warnings(config, estimate, ())) == {"config.compute.precision", "cluster.gpu"}
     assert launch_warnings({"compute": {"precision": "fp32"}}, None, ()) == {}
+    # Hardware torch could not be asked about warns of nothing.
+    assert launch_warnings(config, estimate, None) == {}
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,11 @@ never loaded into the web process; in the embedded default the worker runs on th
 
 import functools
 import json
+import logging
 import subprocess
 import sys
+
+log = logging.getLogger(__name__)
 
 # The question each rank's trainer asks, and the names of the GPUs it would train on.
 PROBE = (
@@ -21,12 +24,17 @@ PROBE_TIMEOUT_S = 120
 
 
 @functools.cache
-def launch_gpus() -> tuple[str, ...]:
-    """The names of the GPUs the launcher's ranks will see (torch.cuda's names); empty: they train on CPU."""
-    answer = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=True
-    )
-    return tuple(json.loads(answer.stdout))
+def launch_gpus() -> tuple[str, ...] | None:
+    """The names of the GPUs the launcher's ranks will see (torch.cuda's names); empty: they train on CPU;
+    None when torch could not be asked, which must not stop a run from being created."""
+    try:
+        answer = subprocess.run(
+            [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=True
+        )
+        return tuple(json.loads(answer.stdout))
+    except (OSError, subprocess.SubprocessError, ValueError) as error:
+        log.warning("could not ask torch which GPUs the launcher has, so runs get no launch warnings: %s", error)
+        return None
 
 
 def planner_gpu(device_name: str) -> str | None:
@@ -44,11 +52,13 @@ def planner_gpu(device_name: str) -> str | None:
     return None
 
 
-def launch_warnings(config: dict, estimate: dict | None, gpus: tuple[str, ...]) -> dict[str, str]:
+def launch_warnings(config: dict, estimate: dict | None, gpus: tuple[str, ...] | None) -> dict[str, str]:
     """What a valid run would do on the launcher's hardware (`gpus`, as launch_gpus names them) other
     than its config and its stored estimate suggest, keyed by field path as RunInputError's errors are.
     A warning does not stop the run: training on other hardware than planned is often what is meant."""
     warnings = {}
+    if gpus is None:
+        return warnings
     if config["compute"]["precision"] == "bf16" and not gpus:
         warnings["config.compute.precision"] = (
             "bf16 but the launcher has no GPU (torch on its machine sees no CUDA device): the ranks will "
