@@ -477,6 +477,15 @@ class AlertsConfig(_Section):
             "milliseconds a rank a few milliseconds slower (its host busy, rank 0's own logging) costs the run nothing."
         ),
     )
+    straggler_min_s: float = Field(
+        10.0,
+        ge=0,
+        le=3600,
+        description=(
+            "A straggler must also have been slow for this many seconds of its own time (more steps when steps are "
+            "short): a rank whose host is busy for a few short steps is slow for a moment, not a straggler."
+        ),
+    )
     hang_after_s: float = Field(
         120.0,
         gt=0,

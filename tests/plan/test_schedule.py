@@ -2,7 +2,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -297,14 +296,6 @@ def test_to_json_is_json_and_describes_every_op():
     first = document["ops"][0]
     assert set(first) == {"r", "s", "mb", "k", "w", "t0", "t1"}
     assert (first["r"], first["s"], first["mb"], first["k"], first["t0"]) == (0, 0, 0, "F", 0.0)
-
-
-def test_simulating_a_large_layout_is_fast():
-    # About 40 ms on a development machine for the heaviest schedules; the bound catches blow-ups.
-    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "Interleaved1F1B"):
-        started = time.perf_counter()
-        simulate(schedule, 16, 128, 2, 1.0, 1.0, 1.0, p2p_s=0.01)
-        assert time.perf_counter() - started < 0.5
 
 
 def test_importing_the_module_does_not_import_torch_or_numpy():

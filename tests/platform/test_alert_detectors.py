@@ -120,6 +120,11 @@ def test_memory_creep_names_the_rank_and_a_flat_or_one_off_rise_is_not_creep():
     assert detectors.memory_creep(jump, CONFIG) == []
 
 
+# The rules a straggler is judged by on a few steps of a few seconds: without the time floor, which
+# test_a_rank_slow_for_a_moment_is_no_straggler_and_one_slow_for_straggler_min_s_is checks on its own.
+MOMENTS = AlertsConfig(straggler_min_s=0)
+
+
 def step_times(steps, ranks, slow_rank=None, factor=1.0):
     rng = random.Random(2)
     return {
@@ -130,27 +135,57 @@ def step_times(steps, ranks, slow_rank=None, factor=1.0):
 
 def test_a_straggler_is_named_with_its_host_after_straggler_steps_steps():
     times = step_times(range(1, 6), 8, slow_rank=3, factor=2.0)
-    (finding,) = detectors.stragglers(times, CONFIG, lambda rank: f"node-{rank // 4}")
+    (finding,) = detectors.stragglers(times, MOMENTS, lambda rank: f"node-{rank // 4}")
     assert (finding.rule, finding.rank, finding.step) == (detectors.STRAGGLER, 3, 5)
-    assert "node-0" in finding.message and finding.details["score"] < CONFIG.straggler_score
+    assert "node-0" in finding.message and finding.details["score"] < MOMENTS.straggler_score
     # Four slow steps are not yet five.
-    assert detectors.stragglers(step_times(range(1, 5), 8, 3, 2.0), CONFIG, str) == []
+    assert detectors.stragglers(step_times(range(1, 5), 8, 3, 2.0), MOMENTS, str) == []
 
 
 def test_a_rank_slow_in_all_but_one_step_is_no_straggler_and_a_mildly_slow_one_neither():
     times = step_times(range(1, 6), 8, slow_rank=3, factor=2.0)
     times[4][3] = 0.5
-    assert detectors.stragglers(times, CONFIG, str) == []
+    assert detectors.stragglers(times, MOMENTS, str) == []
     # 1.3× the median scores 0.77, above 0.7.
-    assert detectors.stragglers(step_times(range(1, 6), 8, 3, 1.3), CONFIG, str) == []
+    assert detectors.stragglers(step_times(range(1, 6), 8, 3, 1.3), MOMENTS, str) == []
 
 
 def test_a_rank_slower_by_a_few_milliseconds_is_no_straggler_however_high_its_ratio():
     # Steps of ~28 ms, rank 0 at 1.6× (45 ms): the score is 0.62, but 17 ms a step is below the 50 ms floor.
     times = {step: {rank: 0.028 * (1.6 if rank == 0 else 1.0) for rank in range(4)} for step in range(1, 6)}
-    assert detectors.stragglers(times, CONFIG, str) == []
-    (finding,) = detectors.stragglers(times, AlertsConfig(straggler_min_excess_s=0.01), str)
+    assert detectors.stragglers(times, MOMENTS, str) == []
+    (finding,) = detectors.stragglers(times, AlertsConfig(straggler_min_excess_s=0.01, straggler_min_s=0), str)
     assert finding.rank == 0
+
+
+def starved_pair(slow_steps: range, steps: int = 200) -> dict[int, dict[int, float]]:
+    """Two ranks sharing two busy cores, as the demo runs: ~0.13 s of own work a step, and rank 0 given less
+    CPU in `slow_steps` (0.3-0.45 s, while rank 1, done early, waits in its collectives: 0.02 s of its own)."""
+    rng = random.Random(7)
+    balanced = {step: {rank: 0.13 * rng.uniform(0.95, 1.05) for rank in (0, 1)} for step in range(1, steps + 1)}
+    starved = {step: {0: rng.uniform(0.3, 0.45), 1: 0.02} for step in slow_steps}
+    return balanced | starved
+
+
+def test_a_rank_slow_for_a_moment_is_no_straggler_and_one_slow_for_straggler_min_s_is():
+    # Eight starved steps (the demo flagged rank 0 on them) hold ~3 s of rank 0's time: not ten.
+    assert detectors.stragglers(starved_pair(range(193, 201)), CONFIG, str, "compute time") == []
+    assert [f.rank for f in detectors.stragglers(starved_pair(range(193, 201)), MOMENTS, str)] == [0]
+    # Starved for the last 60 steps (~22 s), it is a straggler, said to have been slow that long.
+    (finding,) = detectors.stragglers(starved_pair(range(141, 201)), CONFIG, str, "compute time")
+    assert (finding.rank, finding.step, finding.details["slow_steps"]) == (0, 200, 60)
+    assert finding.details["seconds"] >= CONFIG.straggler_min_s and "for 60 steps" in finding.message
+    # Slow for 40 steps, then itself again for one, then slow for 20 (~7.5 s): the time restarts.
+    slow_again = [*range(140, 180), *range(181, 201)]
+    assert detectors.stragglers(starved_pair(slow_again), CONFIG, str, "compute time") == []
+
+
+def test_straggler_history_needed_holds_straggler_min_s_at_the_candidates_pace():
+    (candidate,) = detectors.stragglers(starved_pair(range(196, 201), steps=200), MOMENTS, str)
+    needed = detectors.straggler_history_needed([candidate], CONFIG)
+    # At 0.3-0.45 s a step, ten seconds take at most 34 steps.
+    assert 23 <= needed <= 35
+    assert detectors.straggler_history_needed([], CONFIG) == 0
 
 
 TP2_PP2 = ParallelConfig(tp=2, pp=2, microbatches=2)
@@ -174,15 +209,15 @@ def test_a_pipelines_last_stage_doing_more_work_is_no_straggler():
     # loss, and the first stage's ranks wait for it, so their own work is a fraction of the last stage's.
     stages = {"pipeline rank 0": 0.03, "pipeline rank 1": 0.15}
     times = pipeline_step_times(range(1, 11), 4, TP2_PP2, stages)
-    assert detectors.stragglers(times, CONFIG, str, "compute time", detectors.pipeline_peers(TP2_PP2)) == []
+    assert detectors.stragglers(times, MOMENTS, str, "compute time", detectors.pipeline_peers(TP2_PP2)) == []
     # Against every rank of the run the last stage stands out.
-    assert [f.rank for f in detectors.stragglers(times, CONFIG, str, "compute time")] == [2, 3]
+    assert [f.rank for f in detectors.stragglers(times, MOMENTS, str, "compute time")] == [2, 3]
 
 
 def test_a_rank_slower_than_its_peer_in_the_same_pipeline_stage_is_a_straggler():
     stages = {"pipeline rank 0": 0.03, "pipeline rank 1": 0.15}
     times = pipeline_step_times(range(1, 11), 4, TP2_PP2, stages, slow_rank=3, factor=4.0)
-    (finding,) = detectors.stragglers(times, CONFIG, str, "compute time", detectors.pipeline_peers(TP2_PP2))
+    (finding,) = detectors.stragglers(times, MOMENTS, str, "compute time", detectors.pipeline_peers(TP2_PP2))
     assert (finding.rank, finding.step) == (3, 10)
     assert finding.details["peer_group"] == "pipeline rank 1"
     assert "against a median of" in finding.message and "among the ranks of pipeline rank 1" in finding.message
@@ -191,13 +226,13 @@ def test_a_rank_slower_than_its_peer_in_the_same_pipeline_stage_is_a_straggler()
     # A first-stage rank as slow as the last stage is slow for its own stage.
     times = pipeline_step_times(range(1, 11), 4, TP2_PP2, stages, slow_rank=0, factor=5.0)
     peers = detectors.pipeline_peers(TP2_PP2)
-    assert [f.rank for f in detectors.stragglers(times, CONFIG, str, "compute time", peers)] == [0]
+    assert [f.rank for f in detectors.stragglers(times, MOMENTS, str, "compute time", peers)] == [0]
 
 
 def test_a_rank_alone_in_its_pipeline_stage_has_no_peer_to_straggle_behind():
     parallel = ParallelConfig(pp=2, microbatches=2)
     times = pipeline_step_times(range(1, 11), 2, parallel, {"pipeline rank 0": 0.02, "pipeline rank 1": 0.2})
-    assert detectors.stragglers(times, CONFIG, str, "compute time", detectors.pipeline_peers(parallel)) == []
+    assert detectors.stragglers(times, MOMENTS, str, "compute time", detectors.pipeline_peers(parallel)) == []
 
 
 def test_pipeline_peers_are_the_ranks_of_one_pipeline_rank_whatever_the_other_dims():

@@ -38,6 +38,9 @@ HANG_RANK = 1
 HANG_AFTER_S = 6.0
 # Every run is judged for hangs with a short limit: the clean ones must still open none.
 CONFIG = {**TINY_CONFIG, "steps": 16, "parallel": {"dp_replicate": RANKS}, "alerts": {"hang_after_s": HANG_AFTER_S}}
+# These runs last seconds, so a rank they slow is slow for seconds: the runs that slow one are judged without
+# straggler_min_s (test_alerts.py checks that floor through the same evaluate), the clean ones with it.
+MOMENTARY = {"straggler_min_s": 0.0}
 # The watcher judges an attempt at most every LOOM_ALERTS_INTERVAL_S (1 s) after its metrics are stored.
 ALERT_WITHIN_S = 5.0
 
@@ -65,7 +68,11 @@ def celery_beat(tmp_path):
 def test_fault_injected_runs_open_their_alerts_and_a_clean_one_none(live_platform, celery_beat, platform_user):
     user = platform_user[0]
     clean = create_run(user, "clean", CONFIG)
-    slowed = create_run(user, "slowed", {**CONFIG, "faults": {"slow_rank": SLOW_RANK, "slow_ms": 300}})
+    slowed = create_run(
+        user,
+        "slowed",
+        {**CONFIG, "alerts": {**CONFIG["alerts"], **MOMENTARY}, "faults": {"slow_rank": SLOW_RANK, "slow_ms": 300}},
+    )
     diverged = create_run(user, "diverged", {**CONFIG, "faults": {"nan_at_step": NAN_STEP}})
     crashed = create_run(user, "crashed", {**CONFIG, "faults": {"crash_at_step": CRASH_STEP, "crash_rank": CRASH_RANK}})
     hung = create_run(user, "hung", {**CONFIG, "faults": {"hang_at_step": HANG_STEP, "hang_rank": HANG_RANK}})
@@ -150,10 +157,14 @@ JUDGED = {
 }
 
 
+def judged_alerts(faults: dict) -> dict:
+    return {**JUDGED["alerts"], **(MOMENTARY if "slow_rank" in faults else {})}
+
+
 def test_a_spike_a_slowdown_and_a_leak_open_their_alerts_and_a_clean_run_none(live_platform, platform_user):
     user = platform_user[0]
     runs = {
-        name: create_run(user, name, {**JUDGED, "faults": faults})
+        name: create_run(user, name, {**JUDGED, "alerts": judged_alerts(faults), "faults": faults})
         for name, faults in {
             "clean": {},
             "spiked": {"spike_at_step": SPIKE_STEP},
@@ -231,6 +242,7 @@ def test_clean_pipeline_runs_raise_no_straggler_and_a_slowed_stage_rank_is_caugh
             **TINY_CONFIG,
             "steps": 24,
             "parallel": CLEAN_LAYOUTS["tp2 x pp2"],
+            "alerts": MOMENTARY,
             "faults": {"slow_rank": PIPELINE_SLOW_RANK, "slow_ms": 300},
         },
     )
@@ -243,7 +255,7 @@ def test_clean_pipeline_runs_raise_no_straggler_and_a_slowed_stage_rank_is_caugh
         run.refresh_from_db()
         assert run.state == states.SUCCEEDED, [(a.number, a.state, a.failure_reason) for a in run.attempts.all()]
 
-    config = AlertsConfig()
+    config = AlertsConfig(**MOMENTARY)
     for name, run in runs.items():
         parallel = ParallelConfig.model_validate(CLEAN_LAYOUTS[name])
         # Every rank's place in the mesh, as the trainer's DeviceMesh reported it, is where the detector
@@ -281,6 +293,7 @@ RETAINED = {
     "steps": 40,
     "parallel": {"dp_replicate": 2},
     "checkpoint": {"interval_steps": CHECKPOINT_EVERY, "keep_last": 3},
+    "alerts": judged_alerts({"slow_rank": 1}),
     # Rank 1 slowed for the last steps: a straggler while the ranks run, over once the attempt ends.
     "faults": {"spike_at_step": PINNED_SPIKE_STEP, "slow_rank": 1, "slow_ms": 400, "slow_from_step": 30},
 }

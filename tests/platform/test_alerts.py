@@ -62,35 +62,71 @@ def sender(platform_user):
 
 def test_a_straggler_opens_one_alert_naming_rank_and_node_and_clears_by_itself(sender):
     attempt = sender.attempt
-    send_steps(sender, range(1, 5), SLOW_RANK)
-    # Four slow steps: not yet.
+    # The slow rank computes ~0.5 s a step: straggler_min_s (10 s) takes it 20 slow steps, not straggler_steps (5).
+    send_steps(sender, range(1, 17), SLOW_RANK)
     assert not evaluate(attempt, [], 0).changes
-    send_steps(sender, [5], SLOW_RANK)
+    send_steps(sender, range(17, 25), SLOW_RANK)
     result = evaluate(attempt, [], 0)
     (alert,) = result.changes.opened
     assert (alert.rule, alert.rank, alert.host, alert.step, alert.state) == (
         detectors.STRAGGLER,
         SLOW_RANK,
         "node-1",
-        5,
+        24,
         Alert.OPEN,
     )
-    assert result.judged_through == 5
+    # Judged on the whole of its slow spell, read back for its peers only once the short window saw it slow.
+    assert alert.details["slow_steps"] >= 20 and alert.details["seconds"] >= 10
+    assert result.judged_through == 24
     # Seen again at later steps: the same alert, updated.
-    send_steps(sender, range(6, 9), SLOW_RANK)
-    changes = evaluate(attempt, [], 5).changes
+    send_steps(sender, range(25, 28), SLOW_RANK)
+    changes = evaluate(attempt, [], 24).changes
     assert changes.updated == [alert] and not changes.opened
     alert.refresh_from_db()
-    assert (alert.occurrences, alert.last_step) == (2, 8)
+    assert (alert.occurrences, alert.last_step) == (2, 27)
     # The rank recovers: after clear_after_steps steps without it, the alert resolves.
-    send_steps(sender, range(9, 28))
-    assert not evaluate(attempt, [], 8).changes.resolved
-    send_steps(sender, [28])
-    (resolved,) = evaluate(attempt, [], 27).changes.resolved
+    send_steps(sender, range(28, 47))
+    assert not evaluate(attempt, [], 27).changes.resolved
+    send_steps(sender, [47])
+    (resolved,) = evaluate(attempt, [], 46).changes.resolved
     assert resolved.pk == alert.pk
     alert.refresh_from_db()
     assert alert.state == Alert.RESOLVED and alert.resolution.startswith("cleared")
     assert Alert.objects.count() == 1
+
+
+def test_a_rank_slow_for_a_few_steps_opens_nothing(sender):
+    send_steps(sender, range(1, 30))
+    send_steps(sender, range(30, 40), SLOW_RANK)
+    send_steps(sender, range(40, 60))
+    send_steps(sender, range(60, 70), SLOW_RANK)
+    assert not evaluate(sender.attempt, [], 0).changes
+
+
+def test_a_pipeline_straggler_is_judged_among_its_stage_over_its_whole_slow_spell(platform_user):
+    # pp2 x dp_replicate 4: ranks 0-3 hold the first stage, 4-7 the last, which does twice the work.
+    config = {**TINY_CONFIG, "parallel": {"pp": 2, "dp_replicate": 4, "microbatches": 2}}
+    _, attempt, _ = claimed_run(platform_user[0], config=config)
+    pipelined = BatchSender(attempt)
+    for rank in range(RANKS):
+        pipelined.send(rank, heartbeat(rank))
+
+    def send(steps, slow_rank=None):
+        for rank in range(RANKS):
+            metrics = [rank_metric(rank, step, slow_rank) for step in steps]
+            for metric in metrics:
+                metric["payload"]["compute_s"] *= 2 if rank >= 4 else 1
+            pipelined.send(rank, *metrics)
+
+    send(range(1, 30))
+    # The slow rank, of the last stage, computes ~1 s a step against its peers' 0.4 s: eight steps are not yet
+    # straggler_min_s, and the last stage's ranks are no stragglers for doing twice the first stage's work.
+    send(range(30, 38), SLOW_RANK)
+    assert not evaluate(attempt, [], 0).changes
+    send(range(38, 42), SLOW_RANK)
+    (alert,) = evaluate(attempt, [], 0).changes.opened
+    assert (alert.rule, alert.rank, alert.step) == (detectors.STRAGGLER, SLOW_RANK, 41)
+    assert alert.details["peer_group"] == "pipeline rank 1" and alert.details["seconds"] >= 10
 
 
 def test_a_clean_run_opens_nothing(sender):

@@ -183,53 +183,78 @@ def stragglers(
     measure: str = "step time",
     peer_group: Callable[[int], str] = lambda rank: "",
 ) -> list[Finding]:
-    """Ranks whose step time stayed above their peers' median / straggler_score, and straggler_min_excess_s
-    above it, for the last straggler_steps steps (each step with at least two ranks reporting), one finding
-    per rank, naming its host. `measure` names what the times are in the message.
+    """Ranks whose time stayed above their peers' median / straggler_score, and straggler_min_excess_s above
+    it, in each of the latest steps (each with at least two ranks reporting), for at least straggler_steps
+    steps and straggler_min_s seconds of their own time: one finding per rank, naming its host. `measure`
+    names what the times are in the message.
+
+    The time floor is what keeps a busy host from being a straggler: a rank that loses its CPU for a few
+    short steps (two ranks sharing two cores with the rest of a machine) is slow for a moment, not slow.
 
     A rank's peers are the ranks with the same `peer_group` (named in the message when not empty): ranks
     that do different work, as a pipeline's stages do, are never measured against each other, and a rank
     alone in its group has no one to be slower than."""
-    steps = sorted(step for step, times in step_times.items() if len(times) >= 2)[-config.straggler_steps :]
-    if len(steps) < config.straggler_steps:
-        return []
-    slow: set[int] | None = None
-    scores: dict[int, list[float]] = {}
-    medians: dict[int, list[float]] = {}
+    steps = sorted(step for step, times in step_times.items() if len(times) >= 2)
+    medians: dict[int, dict[int, float]] = {}
+    slow: dict[int, set[int]] = {}
     for step in steps:
-        slow_here = set()
+        slow[step] = set()
         for group in _peer_groups(step_times[step], peer_group):
             median = statistics.median(group.values())
             for rank, seconds in group.items():
-                medians.setdefault(rank, []).append(median)
-                slow_enough = seconds - median >= config.straggler_min_excess_s
-                if seconds > 0 and median / seconds < config.straggler_score and slow_enough:
-                    slow_here.add(rank)
-                    scores.setdefault(rank, []).append(median / seconds)
-        slow = slow_here if slow is None else slow & slow_here
+                medians.setdefault(rank, {})[step] = median
+                if seconds > 0 and median / seconds < config.straggler_score:
+                    if seconds - median >= config.straggler_min_excess_s:
+                        slow[step].add(rank)
     findings = []
-    for rank in sorted(slow or ()):
+    for rank in sorted(slow[steps[-1]] if steps else ()):
+        streak = _slow_streak(rank, steps, slow)
+        times = [step_times[step][rank] for step in streak]
+        if len(streak) < config.straggler_steps or sum(times) < config.straggler_min_s:
+            continue
+        shown = streak[-config.straggler_steps :]
+        median = medians[rank][streak[-1]]
         node = host(rank)
-        times = [step_times[step][rank] for step in steps]
-        worst = min(scores[rank])
         where = f" on {node}" if node else ""
         group = peer_group(rank)
         among = f" among the ranks of {group}" if group else ""
         message = (
             f"rank {rank}{where} is a straggler: {measure} {times[-1]:.3g} s against a median of "
-            f"{medians[rank][-1]:.3g} s{among} (score {medians[rank][-1] / times[-1]:.2f} < "
-            f"{config.straggler_score:g}) for {len(steps)} steps"
+            f"{median:.3g} s{among} (score {median / times[-1]:.2f} < {config.straggler_score:g}) for "
+            f"{len(streak)} steps ({sum(times):,.1f} s)"
         )
         details = {
             "host": node,
-            "steps": steps,
-            "step_times": times,
-            "medians": medians[rank],
-            "score": round(worst, 3),
+            "steps": shown,
+            "step_times": [step_times[step][rank] for step in shown],
+            "medians": [medians[rank][step] for step in shown],
+            "score": round(min(medians[rank][step] / step_times[step][rank] for step in streak), 3),
             "peer_group": group,
+            "slow_steps": len(streak),
+            "seconds": round(sum(times), 3),
         }
         findings.append(Finding(STRAGGLER, steps[-1], WARNING, message, rank=rank, ranks=(rank,), details=details))
     return findings
+
+
+def _slow_streak(rank: int, steps: list[int], slow: dict[int, set[int]]) -> list[int]:
+    """The latest steps, in order, in each of which `rank` was slow."""
+    streak = []
+    for step in reversed(steps):
+        if rank not in slow[step]:
+            break
+        streak.append(step)
+    return streak[::-1]
+
+
+def straggler_history_needed(findings: list[Finding], config: AlertsConfig) -> int:
+    """How many steps of history would show whether these candidates (found on too short a history to hold
+    straggler_min_s) stay slow that long: at their current own time a step, with one step to spare."""
+    needed = 0
+    for finding in findings:
+        per_step = max(min(finding.details["step_times"]), 1e-3)
+        needed = max(needed, config.straggler_steps, math.ceil(config.straggler_min_s / per_step) + 1)
+    return needed
 
 
 def pipeline_peers(parallel: ParallelConfig) -> Callable[[int], str]:

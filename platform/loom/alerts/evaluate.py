@@ -50,9 +50,7 @@ def evaluate(attempt: Attempt, non_finite_reports: list[tuple[int, int, str, obj
         findings += detectors.grad_norm_spikes(rows, config, judged_through)
         findings += detectors.throughput_drop(rows, config)
         findings += detectors.memory_creep(_with_memory_rank(attempt, rows), config)
-        times, measure = _step_times(attempt, config)
-        peers = detectors.pipeline_peers(ParallelConfig.model_validate(attempt.config.get("parallel", {})))
-        findings += detectors.stragglers(times, config, host, measure, peers)
+        findings += _stragglers(attempt, config, host)
     latest = max((row.step for row in rows), default=judged_through)
     with transaction.atomic():
         changes = record(attempt, findings, host)
@@ -118,27 +116,49 @@ def _with_memory_rank(attempt: Attempt, rows: list[StepRow]) -> list[StepRow]:
     return [*rows[:-1], named]
 
 
-def _step_times(attempt: Attempt, config: AlertsConfig) -> tuple[dict[int, dict[int, float]], str]:
-    """Each rank's own time of the latest straggler_steps steps every rank has reported, and what it is. A
-    rank's own time is its compute time where every rank of the step measured one (the others' waits for a
-    slow rank are in their collectives, so their whole step times match the slow rank's), else its step time."""
-    counts = (
-        RankStep.objects.filter(attempt=attempt)
-        .values("step")
-        .annotate(ranks=Count("id"), computed=Count("compute_s"))
-        .order_by("-step")[: config.straggler_steps * 2 + 1]
+def _stragglers(attempt: Attempt, config: AlertsConfig, host) -> list[detectors.Finding]:
+    """Stragglers judged on the latest straggler_steps steps, then, only for ranks slow in all of them but
+    for less than straggler_min_s, on as many steps as that takes, read for their peer groups alone: a pass
+    over 1,024 ranks reads a short window unless some rank is slow."""
+    parallel = ParallelConfig.model_validate(attempt.config.get("parallel", {}))
+    peers = detectors.pipeline_peers(parallel)
+    times, measure = _step_times(attempt, config.straggler_steps)
+    candidates = detectors.stragglers(times, config.model_copy(update={"straggler_min_s": 0.0}), host, measure, peers)
+    found = {finding.rank: finding for finding in candidates if finding.details["seconds"] >= config.straggler_min_s}
+    short = [finding for finding in candidates if finding.rank not in found]
+    if short:
+        steps = min(detectors.straggler_history_needed(short, config), DROP_STEPS_MAX)
+        groups = {peers(finding.rank) for finding in short}
+        ranks = [rank for rank in range(parallel.world_size) if peers(rank) in groups] if parallel.pp > 1 else None
+        times, measure = _step_times(attempt, steps, ranks)
+        for finding in detectors.stragglers(times, config, host, measure, peers):
+            found.setdefault(finding.rank, finding)
+    return [found[rank] for rank in sorted(found)]
+
+
+def _step_times(
+    attempt: Attempt, steps: int, ranks: list[int] | None = None
+) -> tuple[dict[int, dict[int, float]], str]:
+    """Each rank's own time (of `ranks`, else all) in the latest `steps` steps every one of them has reported,
+    and what it is. A rank's own time is its compute time where every rank of the step measured one (the
+    others' waits for a slow rank are in their collectives, so their whole step times match the slow rank's),
+    else its step time."""
+    rows = RankStep.objects.filter(attempt=attempt)
+    if ranks is not None:
+        rows = rows.filter(rank__in=ranks)
+    counts = list(
+        rows.values("step").annotate(ranks=Count("id"), computed=Count("compute_s")).order_by("-step")[: steps * 2 + 1]
     )
-    counts = list(counts)
     if not counts:
         return {}, ""
     world = max(row["ranks"] for row in counts)
-    complete = [row for row in counts if row["ranks"] == world][: config.straggler_steps]
+    complete = [row for row in counts if row["ranks"] == world][:steps]
     use_compute = all(row["computed"] == row["ranks"] for row in complete)
     column = "compute_s" if use_compute else "step_time_s"
     times: dict[int, dict[int, float]] = {}
-    for step, rank, seconds in RankStep.objects.filter(
-        attempt=attempt, step__in=[row["step"] for row in complete]
-    ).values_list("step", "rank", column):
+    for step, rank, seconds in rows.filter(step__in=[row["step"] for row in complete]).values_list(
+        "step", "rank", column
+    ):
         if seconds is not None:
             times.setdefault(step, {})[rank] = seconds
     return times, "compute time" if use_compute else "step time"
