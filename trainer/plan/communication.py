@@ -191,7 +191,9 @@ def data_parallel_traffic(layout: Layout, group: dict[str, Group], gpn: int, ele
 
     if zero == 0:
         if group["dp"].size > 1:
-            add("all_reduce", "dp", 4 * elements, 1, "DDP: fp32 gradients")
+            # Replicas under TP or PP all-reduce through FSDP2's HSDP, one shard a replica: the same bytes.
+            how = "DDP" if parallel.data_parallel_path == "ddp" else "HSDP of whole replicas"
+            add("all_reduce", "dp", 4 * elements, 1, f"{how}: fp32 gradients")
         return traffic
     if zero == 3:
         # Resharding after forward gathers again for every microbatch's forward and once for backward.
