@@ -93,6 +93,7 @@ def test_run_list_shows_the_newest_run_first_as_the_api_does(logged_in, ada):
     listed = [int(run_id) for run_id in re.findall(r'<tr data-run="(\d+)">', page)]
     assert listed == [run.pk for run in reversed(runs)]
     assert [run["id"] for run in logged_in.get("/api/runs").json()] == listed
+    assert logged_in.get("/runs/", follow=True).redirect_chain == [("/", 302)]
 
 
 @pytest.mark.django_db
