@@ -155,6 +155,9 @@ LOOM_URL = os.environ.get("LOOM_URL", "http://127.0.0.1:8000")
 # stored events through the channel layer.
 LOOM_INGEST_URL = os.environ.get("LOOM_INGEST_URL", LOOM_URL)
 LOOM_RUNS_DIR = Path(os.environ.get("LOOM_RUNS_DIR", LOOM_HOME / "runs"))
+# The GPUs the launch backend's ranks train on, comma-separated as torch names them ("NVIDIA H100 80GB
+# HBM3"), or "none" for CPU; unset, the web process asks torch on its own machine (runs/hardware.py).
+LOOM_LAUNCH_GPUS = os.environ.get("LOOM_LAUNCH_GPUS")
 LOOM_INGEST_MAX_BYTES = 1024 * 1024
 LOOM_INGEST_MAX_EVENTS = 5000
 LOOM_CANCEL_GRACE_S = float(os.environ.get("LOOM_CANCEL_GRACE_S", "10"))

@@ -65,6 +65,24 @@ def test_create_run_warns_of_bf16_and_a_prediction_for_gpus_the_launcher_does_no
     assert Run.objects.count() == 2
 
 
+def test_the_launchers_gpus_can_be_stated_where_the_web_process_does_not_share_its_machine(
+    client, platform_user, token_for, settings
+):
+    token = token_for(platform_user[0])
+    planned = {
+        "name": "planned",
+        "config": {**TINY_CONFIG, "compute": {"precision": "bf16"}},
+        "cluster": {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 2},
+    }
+    settings.LOOM_LAUNCH_GPUS = "NVIDIA H100 80GB HBM3, NVIDIA H100 80GB HBM3"
+    assert launch_gpus() == ("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3")
+    response = api(client, "post", "/api/runs", token, planned)
+    assert response.status_code == 201 and response.json()["warnings"] == {}
+    settings.LOOM_LAUNCH_GPUS = "none"
+    response = api(client, "post", "/api/runs", token, planned)
+    assert set(response.json()["warnings"]) == {"config.compute.precision", "cluster.gpu"}
+
+
 def test_launch_warnings_compare_the_estimate_with_the_launchers_gpus():
     config = {"compute": {"precision": "bf16"}}
     estimate = {"cluster": {"gpu": "H100-SXM", "nodes": 2, "gpus_per_node": 8}}

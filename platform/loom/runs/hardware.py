@@ -1,9 +1,11 @@
 """What a launched attempt's ranks will train on, and what a new run is warned of because of it.
 
 The local launch backend runs torchrun on the Celery worker's machine, and each rank trains on CUDA
-with NCCL when torch there sees a GPU, else on CPU with gloo (trainer.train.run). The web process asks
-the same Python's torch the same question, once per process and in a child process, so that torch is
-never loaded into the web process; in the embedded default the worker runs on this machine.
+with NCCL when torch there sees a GPU, else on CPU with gloo (trainer.train.run). Where the web and the
+worker run on other machines (docker/compose.yaml), LOOM_LAUNCH_GPUS says what the worker's ranks see;
+unset, the web process asks the same Python's torch the same question, once per process and in a child
+process, so that torch is never loaded into the web process: right in the embedded default, where the
+worker runs on this machine.
 """
 
 import functools
@@ -11,6 +13,8 @@ import json
 import logging
 import subprocess
 import sys
+
+from django.conf import settings
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +27,17 @@ PROBE = (
 PROBE_TIMEOUT_S = 120
 
 
-@functools.cache
 def launch_gpus() -> tuple[str, ...] | None:
     """The names of the GPUs the launcher's ranks will see (torch.cuda's names); empty: they train on CPU;
     None when torch could not be asked, which must not stop a run from being created."""
+    stated = settings.LOOM_LAUNCH_GPUS
+    if stated is None:
+        return _probed_gpus()
+    return () if stated.strip().lower() in ("", "none") else tuple(name.strip() for name in stated.split(","))
+
+
+@functools.cache
+def _probed_gpus() -> tuple[str, ...] | None:
     try:
         answer = subprocess.run(
             [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=True
