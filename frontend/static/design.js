@@ -20,7 +20,6 @@
   const CAPACITY_COLOUR = "#c62f3b";
   const HBM_COLOUR = "#6b7280";
   const FRAGMENTATION = "allocator fragmentation";
-  const BINARY_UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
   // What Download names the file after, per export format.
   const EXPORT_FILES = { torchtitan: "loom-torchtitan.toml", megatron: "loom-megatron-args.txt" };
 
@@ -375,7 +374,7 @@
       ),
     );
     const totals = matrix.bytes.map((row) => row.map(formatBinaryBytes));
-    const unit = binaryUnit(Math.max(...matrix.bytes.flat()));
+    const unit = loom.byteUnit(Math.max(...matrix.bytes.flat()));
     const trace = {
       type: "heatmap",
       z: matrix.bytes.map((row) => row.map((bytes) => bytes / 1024 ** unit)),
@@ -383,7 +382,7 @@
       customdata: totals,
       // Silence is the page's own background; the busiest link is the accent colour.
       colorscale: [[0, "#f6f7f9"], [1, "#3056d3"]],
-      colorbar: { title: { text: BINARY_UNITS[unit] }, exponentformat: "none" },
+      colorbar: { title: { text: loom.BYTE_UNITS[unit] }, exponentformat: "none" },
       hovertemplate: "rank %{y} → rank %{x}<br>%{customdata}: %{text}<extra></extra>",
     };
     // Whole ranks only, about 16 ticks however large the world.
@@ -616,16 +615,11 @@
 
   // Bytes in powers of two, memory and traffic alike; a negative headroom keeps its sign.
   function formatBinaryBytes(bytes) {
-    const unit = binaryUnit(bytes);
+    const unit = loom.byteUnit(bytes);
     const value = bytes / 1024 ** unit;
-    return `${value.toFixed(unit ? 1 : 0)} ${BINARY_UNITS[unit]}`;
+    return `${value.toFixed(unit ? 1 : 0)} ${loom.BYTE_UNITS[unit]}`;
   }
 
-  // The largest binary unit (a power of 1,024) that keeps `bytes` at 1 or more.
-  function binaryUnit(bytes) {
-    const magnitude = Math.abs(bytes);
-    return magnitude < 1024 ? 0 : Math.min(BINARY_UNITS.length - 1, Math.floor(Math.log2(magnitude) / 10));
-  }
 
   function start() {
     form.addEventListener("input", (event) => {

@@ -116,6 +116,8 @@ window.loom = (() => {
     placeFieldMessage,
     showFieldErrors,
     listItem,
+    BYTE_UNITS,
+    byteUnit,
     formatBytes,
     byteTicks,
     logByteTicks,
