@@ -9,7 +9,7 @@ from loom.telemetry.services import events_after
 from trainer.config import world_size_of
 
 from . import services
-from .hardware import launch_gpus, launch_warnings
+from .hardware import warnings_for
 from .logs import rank_log_files, tail_lines
 
 router = Router(tags=["runs"])
@@ -102,7 +102,7 @@ class RunCreatedOut(RunDetailOut):
 
     @staticmethod
     def resolve_warnings(run):
-        return launch_warnings(run.config, run.estimate, launch_gpus())
+        return warnings_for(run)
 
 
 class FieldErrors(Schema):

@@ -63,6 +63,11 @@ def planner_gpu(device_name: str) -> str | None:
     return None
 
 
+def warnings_for(run) -> dict[str, str]:
+    """launch_warnings of a run just created, on the launcher's GPUs."""
+    return launch_warnings(run.config, run.estimate, launch_gpus())
+
+
 def launch_warnings(config: dict, estimate: dict | None, gpus: tuple[str, ...] | None) -> dict[str, str]:
     """What a valid run would do on the launcher's hardware (`gpus`, as launch_gpus names them) other
     than its config and its stored estimate suggest, keyed by field path as RunInputError's errors are.

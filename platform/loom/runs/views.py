@@ -13,7 +13,7 @@ from trainer.config import world_size_of
 
 from . import services, states
 from .forms import NewRunForm, field_label, restore_inputs
-from .hardware import launch_gpus, launch_warnings
+from .hardware import warnings_for
 
 # The run-level charts of the run and comparison pages: (element id, heading, the metrics API's series).
 SERIES_CHARTS = [
@@ -54,7 +54,7 @@ def new_run(request):
         form.add_input_errors(error.errors)
         return render(request, "runs/new.html", {"form": form}, status=400)
     # The run is created all the same; its page shows these once.
-    for key, message in launch_warnings(run.config, run.estimate, launch_gpus()).items():
+    for key, message in warnings_for(run).items():
         messages.warning(request, f"{field_label(key)}: {message}")
     return redirect("run-detail", run_id=run.pk)
 
