@@ -39,6 +39,10 @@ SPIKE = (11, 120, 9.0)  # rank, step, step time: one step of one rank, far above
 COMM_WINDOW = 50
 TP_BYTES = 4e8
 DP_BYTES = 2e6
+# A heatmap waits REFETCH_BACKOFF (50) times its last fetch and draw before it fetches or redraws again
+# (run_charts.js): ~0.2 s on a quiet machine, but with CI's processes sharing two cores one took over 30 s.
+# What these tests check is what arrives, not how soon.
+LIVE_WAIT_MS = 120_000
 
 
 def host_of(rank: int) -> str:
@@ -141,9 +145,10 @@ def console_errors():
 
 def open_run(open_logged_in, run_id, errors=None):
     page = open_logged_in(f"/runs/{run_id}/", VIEWPORT)
+    page.set_default_timeout(LIVE_WAIT_MS)
     if errors is not None:
         page.on("pageerror", lambda error: errors.append(str(error)))
-    page.wait_for_function("window.loomRun && window.loomRun.snapshotSeq !== null", timeout=30_000)
+    page.wait_for_function("window.loomRun && window.loomRun.snapshotSeq !== null", timeout=LIVE_WAIT_MS)
     return page
 
 
@@ -157,7 +162,7 @@ def chart_data(page, element_id: str) -> list[dict]:
     )
 
 
-def wait_for_chart(page, element_id: str, condition: str, timeout: float = 30_000):
+def wait_for_chart(page, element_id: str, condition: str, timeout: float = LIVE_WAIT_MS):
     page.wait_for_function(
         f"""(id) => {{ const data = document.getElementById(id).data;
                       return Array.isArray(data) && ({condition}); }}""",
@@ -341,7 +346,7 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
     assert loss["y"][-10:] == pytest.approx([loss_at(step) for step in live])
     # One latency per step the loss chart drew: the first of the 16 ranks' reports of it.
     page.wait_for_function(f"window.loomRun.drawLatencies.length === {len(live)}")
-    assert all(0 < latency < 30_000 for latency in page.evaluate("window.loomRun.drawLatencies"))
+    assert all(0 < latency < 300_000 for latency in page.evaluate("window.loomRun.drawLatencies"))
     # ...and one per rank and step that changed the step-time band: every rank's report of a step past
     # the snapshot's last bucket, and those inside it only where they widen its min or max.
     span = page.evaluate("window.loomRun.panels.ranks.step_time_s.span")
@@ -349,12 +354,12 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
     page.wait_for_function(f"window.loomRun.rankDrawLatencies.length >= {RANKS * past_last_bucket}")
     rank_latencies = page.evaluate("window.loomRun.rankDrawLatencies")
     assert RANKS * past_last_bucket <= len(rank_latencies) <= RANKS * len(live)
-    assert all(0 < latency < 30_000 for latency in rank_latencies)
+    assert all(0 < latency < 300_000 for latency in rank_latencies)
     # The memory band's points the same way: every rank's memory differs at every step.
     page.wait_for_function(f"window.loomRun.memoryDrawLatencies.length >= {RANKS * past_last_bucket}")
     memory_latencies = page.evaluate("window.loomRun.memoryDrawLatencies")
     assert RANKS * past_last_bucket <= len(memory_latencies) <= RANKS * len(live)
-    assert all(0 < latency < 30_000 for latency in memory_latencies)
+    assert all(0 < latency < 300_000 for latency in memory_latencies)
     # Those that came over the websocket are split into stages (one clock here: none runs backwards).
     stages = page.evaluate("window.loomRun.rankDrawStages")
     assert 1 <= len(stages) <= len(rank_latencies)
@@ -381,7 +386,7 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
     assert band["max"]["y"][-1] == pytest.approx(step_time(SLOW_RANK, step))
     # The heatmap, one step per column, takes the live steps from the events and is not fetched again. It
     # is redrawn at most every 2 s, or fifty times its last draw's cost.
-    wait_for_chart(page, "rank-heatmap", f"data[0].x[data[0].x.length - 1] === {live[-1]}", timeout=30_000)
+    wait_for_chart(page, "rank-heatmap", f"data[0].x[data[0].x.length - 1] === {live[-1]}")
     (heat,) = chart_data(page, "rank-heatmap")
     assert heat["x"] == list(range(1, live[-1] + 1))
     assert heat["z"][SLOW_RANK][-1] == pytest.approx(step_time(SLOW_RANK, live[-1]))
@@ -398,7 +403,7 @@ def test_live_steps_reach_every_panel_and_their_draw_latencies_are_kept(sixteen_
                    chart.on("plotly_afterplot", () => window.predictedDraws++); }"""
     )
     ingest.post_ranks(lambda rank: [comm_event(rank, live[0], live[-1], now)])
-    page.wait_for_function(f"window.loomRun.panels.comm.window[0] === {live[0]}", timeout=30_000)
+    page.wait_for_function(f"window.loomRun.panels.comm.window[0] === {live[0]}", timeout=LIVE_WAIT_MS)
     drawn(page)
     # The prediction of a layout does not change with the window: it is not drawn again.
     assert page.evaluate("window.predictedDraws") == 0
@@ -427,12 +432,6 @@ def test_csv_of_a_chart_holds_exactly_what_it_draws(sixteen_ranks, open_logged_i
     assert len(rows) - 1 == RANKS * len(heat["x"])
     by_cell = {(int(rank), int(step)): (host, float(value)) for rank, host, step, value in rows[1:]}
     assert by_cell[(SLOW_RANK, 300)] == (host_of(SLOW_RANK), heat["z"][SLOW_RANK][heat["x"].index(300)])
-
-
-# A heatmap waits REFETCH_BACKOFF (50) times its last fetch and draw before it fetches again (run_charts.js):
-# ~0.2 s on a quiet machine, but with CI's processes sharing two cores one took over 30 s. What these
-# tests check is what arrives, not how soon.
-LIVE_WAIT_MS = 120_000
 
 
 def test_charts_out_of_view_wait_to_be_redrawn_until_they_come_into_view(sixteen_ranks, open_logged_in):
@@ -814,7 +813,7 @@ def test_with_the_channel_layer_dropping_messages_the_page_still_ends_with_every
         list(pool.map(lambda rank: [ingest.post(rank, [metric(rank, step, now)]) for step in burst], range(RANKS)))
     last_seq = seq_before + RANKS * len(burst)
 
-    page.wait_for_function(f"window.loomRun.lastSeq === {last_seq}", timeout=30_000)
+    page.wait_for_function(f"window.loomRun.lastSeq === {last_seq}", timeout=LIVE_WAIT_MS)
     drawn(page)
     # Every point, each once: the loss of every step, the band's last steps from all 16 ranks.
     wait_for_chart(page, "loss-chart", f"data[0].x[data[0].x.length - 1] === {burst[-1]}")
