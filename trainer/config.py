@@ -389,6 +389,16 @@ class RestartConfig(_Section):
             "exception stop the run. 0 = never restart."
         ),
     )
+    exclude_after_failures: int = Field(
+        2,
+        ge=0,
+        le=100,
+        description=(
+            "Leave a node out of every later launch once this many attempts failed on it through the node's "
+            "own fault (it went down, or its ranks were lost), so restarts go to the healthy nodes. "
+            "0 = never exclude automatically."
+        ),
+    )
 
 
 class AlertsConfig(_Section):

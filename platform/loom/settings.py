@@ -172,13 +172,37 @@ LOOM_ALERTS_RESYNC_S = float(os.environ.get("LOOM_ALERTS_RESYNC_S", "30"))
 # a queue and a small worker of its own (bin/up, docker/compose.yaml); unset, it shares the default queue.
 LOOM_HANG_CHECK_INTERVAL_S = float(os.environ.get("LOOM_HANG_CHECK_INTERVAL_S", "10"))
 LOOM_MONITOR_QUEUE = os.environ.get("LOOM_MONITOR_QUEUE", "")
+# Where attempts run (loom/runs/backends): "local", torchrun on the worker's host, or "slurm", the cluster's
+# scheduler. LOOM_RUNS_DIR then has to be a directory every node mounts at the same path.
+LOOM_BACKEND = os.environ.get("LOOM_BACKEND", "local")
+LOOM_BACKENDS = {
+    "local": "loom.runs.backends.local.LocalBackend",
+    "slurm": "loom.runs.backends.slurm.SlurmBackend",
+}
+# How many ranks a node runs (its GPUs; on CPU, as many as it has cores to spare): a layout of world size W
+# asks the backend for ceil(W / LOOM_RANKS_PER_NODE) nodes. The local backend runs every rank on one host.
+LOOM_RANKS_PER_NODE = int(os.environ.get("LOOM_RANKS_PER_NODE", "8"))
+# Slurm: the partition and account jobs are charged to (empty: the cluster's defaults), and the slurm.conf
+# the client commands read (empty: theirs, /etc/slurm/slurm.conf).
+LOOM_SLURM_PARTITION = os.environ.get("LOOM_SLURM_PARTITION", "")
+LOOM_SLURM_ACCOUNT = os.environ.get("LOOM_SLURM_ACCOUNT", "")
+LOOM_SLURM_CONF = os.environ.get("LOOM_SLURM_CONF", "")
+# How often Celery beat compares every active attempt with its backend (loom/runs/reconciler.py), and how
+# long a queued attempt may wait for a worker before its launch message is sent again.
+LOOM_RECONCILE_INTERVAL_S = float(os.environ.get("LOOM_RECONCILE_INTERVAL_S", "5"))
+LOOM_RELAUNCH_AFTER_S = float(os.environ.get("LOOM_RELAUNCH_AFTER_S", "30"))
 CELERY_BEAT_SCHEDULE = {
     "check-hangs": {"task": "loom.alerts.check_hangs", "schedule": LOOM_HANG_CHECK_INTERVAL_S},
+    "reconcile": {"task": "loom.runs.reconcile", "schedule": LOOM_RECONCILE_INTERVAL_S},
 }
 # Webhook POSTs of alert changes: tries in all, and the wait before the second (doubling after).
 LOOM_WEBHOOK_TRIES = int(os.environ.get("LOOM_WEBHOOK_TRIES", "5"))
 LOOM_WEBHOOK_RETRY_BASE_S = float(os.environ.get("LOOM_WEBHOOK_RETRY_BASE_S", "5"))
-CELERY_TASK_ROUTES = {"loom.alerts.check_hangs": {"queue": LOOM_MONITOR_QUEUE}} if LOOM_MONITOR_QUEUE else {}
+CELERY_TASK_ROUTES = (
+    {task: {"queue": LOOM_MONITOR_QUEUE} for task in ("loom.alerts.check_hangs", "loom.runs.reconcile")}
+    if LOOM_MONITOR_QUEUE
+    else {}
+)
 
 LOGGING = {
     "version": 1,

@@ -65,6 +65,18 @@ class Attempt(models.Model):
     # What the restart policy did after this attempt failed, in words ("restarted as attempt 3 …").
     restart_decision = models.TextField(blank=True)
     work_dir = models.CharField(max_length=500, blank=True)
+    # The launch backend it was submitted to (loom.runs.backends) and that backend's handle for it (a pid
+    # and its start time, a Slurm job id): stored before anything else happens to it, so any process can
+    # observe or cancel it, whoever submitted it and whatever became of them.
+    backend = models.CharField(max_length=16, blank=True)
+    backend_handle = models.JSONField(null=True, blank=True)
+    # Why the backend has not started it yet, as the backend says ("Resources", "Priority"); empty once it runs.
+    pending_reason = models.CharField(max_length=200, blank=True)
+    # The nodes its ranks ran on, as the backend named them.
+    nodes = models.JSONField(default=list, blank=True)
+    # When its launch message was last handed to the broker: the reconciler sends it again when a queued
+    # attempt waited too long (the broker was down when it was created, or the message was lost).
+    launch_sent_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -75,3 +87,21 @@ class Attempt(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} attempt {self.number}"
+
+
+class ExcludedNode(models.Model):
+    """A node the next launches leave out (Slurm's --exclude): by a person's button, or automatically once
+    attempts failed on it restart.exclude_after_failures times."""
+
+    backend = models.CharField(max_length=16)
+    name = models.CharField(max_length=200)
+    reason = models.TextField()
+    # Null when loom excluded it by itself.
+    excluded_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
+    excluded_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["backend", "name"], name="excluded_node_unique_per_backend")]
+
+    def __str__(self) -> str:
+        return f"{self.backend} node {self.name} (excluded)"
