@@ -26,11 +26,19 @@ INVALID_CONFIG = "invalid_config"
 EXCEPTION = "exception"
 UNKNOWN = "unknown"
 LAUNCH_ERROR = "launch_error"
+# What the launch backend, not the program, ended (backends.Observation.backend_failure): a node that went down
+# or lost its link, a job the scheduler preempted for another or stopped at its time limit. Each is worth
+# another try from the last checkpoint, on other nodes where the scheduler can choose.
+NODE_FAILURE = "node_failure"
+PREEMPTED = "preempted"
+TIME_LIMIT = "timeout"
 
 # A GPU that raised an Xid or ECC error, a collective that timed out and a crash in native code are as
 # likely the machine's fault as the program's: another try (on other hardware, when the scheduler can
 # choose) may well work, and max_restarts bounds the cost if it does not.
-RETRYABLE = frozenset({KILLED, SEGFAULT, LOST_PEER, COLLECTIVE_TIMEOUT, GPU_ERROR, WORKER_LOST, UNKNOWN})
+RETRYABLE = frozenset(
+    {KILLED, SEGFAULT, LOST_PEER, COLLECTIVE_TIMEOUT, GPU_ERROR, WORKER_LOST, UNKNOWN, NODE_FAILURE, PREEMPTED, TIME_LIMIT}
+)
 
 # The trainer's exit code for a config or launch it refuses before training (trainer.train.USAGE_EXIT_CODE).
 USAGE_EXIT_CODE = 2
