@@ -2,7 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 from django.views.generic import RedirectView
 
-from . import views
+from . import nodes_views, views
 
 urlpatterns = [
     path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
@@ -13,4 +13,5 @@ urlpatterns = [
     path("runs/new/", views.new_run, name="run-new"),
     path("runs/compare/", views.run_compare, name="run-compare"),
     path("runs/<int:run_id>/", views.run_detail, name="run-detail"),
+    path("nodes/", nodes_views.node_list, name="node-list"),
 ]

@@ -1,0 +1,104 @@
+from datetime import datetime
+
+from ninja import Router, Schema, Status
+
+from . import nodes
+from .backends import current_backend
+
+router = Router(tags=["nodes"])
+
+
+class ExclusionOut(Schema):
+    reason: str
+    # The username of who excluded the node; null when loom did, after repeated failures on it.
+    by: str | None
+    at: datetime
+
+
+class RunOnNodeOut(Schema):
+    run: int
+    name: str
+    attempt: int
+    state: str
+    # The ranks that reported this node as their host; empty until they have.
+    ranks: list[int]
+
+    @staticmethod
+    def resolve_run(placement):
+        return placement.run_id
+
+    @staticmethod
+    def resolve_name(placement):
+        return placement.run_name
+
+
+class NodeOut(Schema):
+    name: str
+    # As the backend says it (idle, allocated, mixed, down, drained, …); "not reported" for an excluded node
+    # the backend no longer lists.
+    state: str
+    cpus: int
+    gpus: int
+    # Why the backend has it down or drained, when it says.
+    reason: str
+    excluded: ExclusionOut | None
+    # The asking user's own active runs on the node; other users' only as counts.
+    runs: list[RunOnNodeOut]
+    other_runs: int
+    other_ranks: int
+    # Failed attempts that ran on the node, by failure kind.
+    failures: dict[str, int]
+
+
+class NodeTableOut(Schema):
+    backend: str
+    nodes: list[NodeOut]
+
+
+class ExcludeIn(Schema):
+    reason: str = ""
+
+
+class ExcludedOut(Schema):
+    backend: str
+    name: str
+    reason: str
+    by: str | None
+    at: datetime
+
+    @staticmethod
+    def resolve_by(row):
+        return row.excluded_by.get_username() if row.excluded_by else None
+
+    @staticmethod
+    def resolve_at(row):
+        return row.excluded_at
+
+
+class FieldErrors(Schema):
+    errors: dict[str, str]
+
+
+@router.get("/nodes", response=NodeTableOut)
+def list_nodes(request):
+    """Every node of the backend new runs launch onto: its state, CPUs and GPUs, your runs and ranks on it,
+    how many ranks of other users' runs, the attempts that failed on it, and whether launches leave it out."""
+    backend = current_backend()
+    return {"backend": backend.name, "nodes": nodes.node_table(request.user, backend)}
+
+
+@router.post("/nodes/{name}/exclude", response={200: ExcludedOut, 400: FieldErrors})
+def exclude_node(request, name: str, body: ExcludeIn):
+    """Leave the node out of the next launches (Slurm's --exclude); runs already on it go on. Excluding an
+    excluded node changes nothing: the first reason stands."""
+    try:
+        return nodes.exclude_node(current_backend(), name, body.reason, by=request.user)
+    except nodes.NodeInputError as error:
+        return Status(400, {"errors": error.errors})
+
+
+@router.delete("/nodes/{name}/exclude", response={204: None})
+def include_node(request, name: str):
+    """Let the next launches use the node again; a node that was not excluded stays as it was."""
+    nodes.include_node(current_backend(), name)
+    return Status(204, None)

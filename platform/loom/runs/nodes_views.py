@@ -1,0 +1,19 @@
+"""The Nodes page. Thin: loom.runs.nodes decides what a user sees, frontend/static/nodes.js excludes and
+includes through the API."""
+
+from django.contrib.auth.decorators import login_required
+from django.shortcuts import render
+from django.urls import reverse
+
+from .backends import current_backend
+from .nodes import NOT_REPORTED, node_table
+
+
+@login_required
+def node_list(request):
+    backend = current_backend()
+    rows = [
+        {"node": row, "exclude_url": reverse("api:exclude_node", args=[row.name])}
+        for row in node_table(request.user, backend)
+    ]
+    return render(request, "runs/nodes.html", {"backend": backend.name, "rows": rows, "not_reported": NOT_REPORTED})
