@@ -41,11 +41,16 @@ class ThreeNodeBackend:
         ]
 
 
-@pytest.fixture
-def backend(settings):
+def use_three_node_backend(settings):
+    """Make ThreeNodeBackend the one new attempts launch onto, for one test (pytest-django's `settings`)."""
     settings.LOOM_BACKENDS = {**settings.LOOM_BACKENDS, BACKEND: f"{__name__}.ThreeNodeBackend"}
     settings.LOOM_BACKEND = BACKEND
     return current_backend()
+
+
+@pytest.fixture
+def backend(settings):
+    return use_three_node_backend(settings)
 
 
 def placed(owner, name, nodes=(), hosts=None, state=states.RUNNING, backend=BACKEND, failure_kind=""):
