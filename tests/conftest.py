@@ -13,6 +13,7 @@ import uvicorn
 from celery.contrib.testing.worker import start_worker
 from channels.layers import channel_layers
 from django.conf import settings
+from django.db import connection
 
 from loom.accounts.services import create_api_token, ensure_user
 from loom.alerts.detectors import RANK_EXIT
@@ -20,6 +21,8 @@ from loom.alerts.models import Alert
 from loom.celery import app as celery_app
 from loom.runs import states
 from loom.runs.models import Attempt
+from loom.runs.reconciler import reconcile
+from loom.runs.tasks import send_launch
 from trainer.config import FaultsConfig
 
 # Triton decides when it is first imported whether kernels are compiled or interpreted, and torch
@@ -119,11 +122,41 @@ def platform_server(transactional_db, settings, runs_dir):
         server.stop()
 
 
+class ReconcilerLoop:
+    """The reconciler's passes, as Celery beat schedules them in a deployment, in a thread of the test process
+    (beat's own clock ticks once a second at best; a test wants the pass it is waiting for soon)."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self.passes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="reconciler", daemon=True)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.wait(self.interval_s):
+                reconcile(send_launch)
+                self.passes += 1
+        finally:
+            connection.close()
+
+    def __enter__(self) -> "ReconcilerLoop":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
 @pytest.fixture
 def live_platform(platform_server, settings):
-    """The web platform plus a real Celery worker that launches real torchrun attempts."""
+    """The web platform plus a real Celery worker that launches real torchrun attempts, and the reconciler."""
     settings.LOOM_CANCEL_GRACE_S = 5.0
-    with start_worker(celery_app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"):
+    with (
+        start_worker(celery_app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"),
+        ReconcilerLoop(interval_s=0.5),
+    ):
         yield LivePlatform(url=platform_server.url, server=platform_server)
         stop_active_attempts()
     assert_no_false_alarms()

@@ -199,7 +199,10 @@ CELERY_BEAT_SCHEDULE = {
 LOOM_WEBHOOK_TRIES = int(os.environ.get("LOOM_WEBHOOK_TRIES", "5"))
 LOOM_WEBHOOK_RETRY_BASE_S = float(os.environ.get("LOOM_WEBHOOK_RETRY_BASE_S", "5"))
 CELERY_TASK_ROUTES = (
-    {task: {"queue": LOOM_MONITOR_QUEUE} for task in ("loom.alerts.check_hangs", "loom.runs.reconcile")}
+    {
+        task: {"queue": LOOM_MONITOR_QUEUE}
+        for task in ("loom.alerts.check_hangs", "loom.runs.reconcile", "loom.runs.cancel_attempt")
+    }
     if LOOM_MONITOR_QUEUE
     else {}
 )

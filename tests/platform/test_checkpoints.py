@@ -7,7 +7,7 @@ import pytest
 
 from loom.checkpoints import services
 from loom.checkpoints.models import Checkpoint, Pin
-from loom.checkpoints.recovery import restarts_in_a_row
+from loom.runs.lifecycle import restarts_in_a_row
 from loom.checkpoints.resilience import resilience, young_daly_interval_s
 from loom.runs import states
 from loom.runs.models import Attempt, Run

@@ -202,7 +202,7 @@ def test_a_crashing_rank_fails_the_run_with_its_traceback_as_the_reason(live_pla
 def test_cancelling_a_run_with_a_hung_rank_leaves_no_rank_behind(live_platform, platform_user):
     """torchrun starts each rank in a session of its own and waits 30 s before it SIGKILLs a rank that
     ignores SIGTERM; the launcher's grace is shorter, so it must find and kill the ranks itself."""
-    from loom.runs.launcher import descendants
+    from loom.runs.backends.process_tree import descendants
     from loom.runs.services import cancel_run, create_run
 
     run = create_run(platform_user[0], "hangs", {**TINY_CONFIG, "faults": {"hang_at_step": 3, "hang_rank": 1}})
@@ -219,7 +219,7 @@ def test_cancelling_a_run_with_a_hung_rank_leaves_no_rank_behind(live_platform, 
 
 def running_process(pid: int) -> bool:
     """Whether pid is a live process (a zombie waiting for its parent counts as gone)."""
-    from loom.runs.launcher import stat_fields
+    from loom.runs.backends.process_tree import stat_fields
 
     fields = stat_fields(pid)
     return fields is not None and fields[0] != "Z"

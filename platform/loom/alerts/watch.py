@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 
 from loom.runs.models import Attempt
 
@@ -114,3 +114,12 @@ class Watcher:
 
 # One per web process.
 watcher = Watcher(settings.LOOM_ALERTS_INTERVAL_S)
+
+
+def notice_stored_metrics(events, **_) -> None:
+    """Receiver of loom.telemetry.store.events_stored: the metrics are judged once their transaction commits."""
+    metrics = [
+        (event.batch.attempt_id, event.rank, event.step, event.payload) for event in events if event.kind == "metric"
+    ]
+    if metrics:
+        transaction.on_commit(lambda: watcher.notice(metrics))

@@ -10,6 +10,10 @@ from trainer.config import ConfigError, parse_config
 from . import states
 from .models import Attempt, Run
 
+# Celery task names (loom.runs.tasks), sent by name: the tasks import this module, not the other way round.
+LAUNCH_TASK = "loom.launch_attempt"
+CANCEL_TASK = "loom.runs.cancel_attempt"
+
 
 class RunInputError(ValueError):
     """Bad user input; `errors` maps field paths ("name", "config.model.heads") to messages."""
@@ -66,12 +70,19 @@ def create_run(owner, name, document, cluster=None) -> Run:
 def queue_attempt(run: Run, config: dict, trigger: str, note: str = "", source=None) -> Attempt:
     """Add the run's next attempt, queued, resuming from the checkpoint `source` (null: as its config
     says), and launch it once committed. Call inside a transaction."""
-    from loom.runs.tasks import launch_attempt
+    from celery import current_app
+
     from loom.telemetry.services import record_platform_event
 
     number = (run.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
     attempt = Attempt.objects.create(
-        run=run, number=number, config=config, trigger=trigger, trigger_note=note, restored_from=source
+        run=run,
+        number=number,
+        config=config,
+        trigger=trigger,
+        trigger_note=note,
+        restored_from=source,
+        launch_sent_at=timezone.now(),
     )
     mirror_on_run(attempt)
     payload = {"state": states.QUEUED, "attempt": number, "trigger": trigger}
@@ -80,8 +91,9 @@ def queue_attempt(run: Run, config: dict, trigger: str, note: str = "", source=N
     if source is not None:
         payload |= {"checkpoint": source.pk, "step": source.step}
     record_platform_event(run, attempt, "state", payload)
-    # robust: an unreachable broker must not turn a stored run into an error response.
-    transaction.on_commit(lambda: launch_attempt.delay(attempt.pk), robust=True)
+    # robust: an unreachable broker must not turn a stored run into an error response; the reconciler sends
+    # the launch again once the attempt has waited LOOM_RELAUNCH_AFTER_S. By name: the tasks sit above this module.
+    transaction.on_commit(lambda: current_app.send_task(LAUNCH_TASK, args=[attempt.pk]), robust=True)
     return attempt
 
 
@@ -103,9 +115,13 @@ def latest_attempt(run: Run) -> Attempt:
 
 def cancel_run(run: Run) -> Run:
     """Cancel the latest attempt: at once if it has not started, else ask its launcher to stop it."""
+    from celery import current_app
+
     from loom.telemetry.services import record_platform_event
 
     with transaction.atomic():
+        # The run's row first, as every writer of its events takes it (lifecycle._locked).
+        Run.objects.select_for_update().filter(pk=run.pk).exists()
         attempt = Attempt.objects.select_for_update().get(pk=latest_attempt(run).pk)
         if attempt.state in states.TERMINAL:
             raise RunConflict(f"run already {attempt.state}")
@@ -116,6 +132,9 @@ def cancel_run(run: Run) -> Run:
         attempt.save(update_fields=["cancel_requested"])
         move_attempt(attempt, target, reason="cancelled by user")
         record_platform_event(run, attempt, "state", {"state": target, "attempt": attempt.number})
+        if target == states.CANCELLING:
+            # The reconciler asks the backend again every pass; this only makes the first ask immediate.
+            transaction.on_commit(lambda: current_app.send_task(CANCEL_TASK, args=[attempt.pk]), robust=True)
     run.refresh_from_db()
     return run
 
@@ -123,13 +142,8 @@ def cancel_run(run: Run) -> Run:
 def move_attempt(
     attempt: Attempt, target: str, *, exit_code=None, reason: str = "", failure_kind: str = "", retryable=None
 ) -> None:
-    """Apply a state transition to an attempt and mirror it on its run if it is the latest; an attempt that
-    ends resolves the alerts only a running attempt can have (loom.alerts.services.LIVE_CONDITIONS); a failure
-    the launcher judged retryable starts the next attempt (loom.checkpoints.recovery)."""
-    from loom.alerts.notify import announce
-    from loom.alerts.services import end_live_conditions
-    from loom.checkpoints.recovery import restart_after_failure
-
+    """Apply a state transition to an attempt and mirror it on its run if it is the latest. What an end means
+    beyond that (alerts, a restart) is loom.runs.lifecycle's to decide."""
     states.check_transition(attempt.state, target)
     attempt.state = target
     fields = ["state"]
@@ -150,10 +164,6 @@ def move_attempt(
         fields += ["failure_kind", "retryable"]
     attempt.save(update_fields=fields)
     mirror_on_run(attempt)
-    if target in states.TERMINAL:
-        announce(end_live_conditions(attempt))
-    if target == states.FAILED:
-        restart_after_failure(attempt)
 
 
 def mirror_on_run(attempt: Attempt) -> None:

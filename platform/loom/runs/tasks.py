@@ -1,9 +1,43 @@
-from celery import shared_task
+from celery import current_app, shared_task
+from django.conf import settings
+from django.db import InterfaceError, OperationalError
 
-from . import launcher
+from . import launcher, reconciler
+from .backends import backend_named
+from .models import Attempt
+from .services import CANCEL_TASK, LAUNCH_TASK
 
 
-@shared_task(name="loom.launch_attempt", acks_late=False)
+@shared_task(
+    name=LAUNCH_TASK,
+    acks_late=False,
+    autoretry_for=(OperationalError, InterfaceError),
+    retry_backoff=True,
+    retry_backoff_max=30,
+    max_retries=20,
+)
 def launch_attempt(attempt_id: int) -> str:
-    """Run one attempt to completion. Safe to deliver twice: only the first delivery claims it."""
+    """Claim the attempt and hand it to the launch backend; returns once it is submitted. Safe to deliver
+    twice: only the first delivery claims it."""
     return launcher.launch(attempt_id)
+
+
+def send_launch(attempt_id: int) -> None:
+    """Hand the attempt's launch message to the broker, by name: the services that queue attempts sit below
+    this module and must not import it."""
+    current_app.send_task(LAUNCH_TASK, args=[attempt_id])
+
+
+@shared_task(name="loom.runs.reconcile", acks_late=False, ignore_result=True)
+def reconcile() -> dict:
+    """Celery beat's pass over every active attempt (reconciler.py)."""
+    result = reconciler.reconcile(send_launch)
+    return {"relaunched": result.relaunched, "running": result.running, "ended": result.ended}
+
+
+@shared_task(name=CANCEL_TASK, acks_late=False, ignore_result=True)
+def cancel_attempt(attempt_id: int) -> None:
+    """Tell the backend at once; the reconciler repeats it every pass until the attempt is gone."""
+    attempt = Attempt.objects.filter(pk=attempt_id, backend_handle__isnull=False).first()
+    if attempt is not None:
+        backend_named(attempt.backend or "local").cancel(attempt.backend_handle, settings.LOOM_CANCEL_GRACE_S)

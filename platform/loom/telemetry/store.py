@@ -14,15 +14,8 @@ from datetime import UTC, datetime
 from itertools import groupby
 
 from django.db import connection, transaction
+from django.dispatch import Signal
 from django.utils import timezone
-
-from loom.alerts.notify import announce
-from loom.alerts.services import record_exit
-from loom.alerts.watch import watcher
-from loom.checkpoints.services import record_checkpoint_event
-from loom.runs import services as run_services
-from loom.runs import states
-from loom.runs.models import Attempt
 
 from . import bulk
 from .models import Event, wire_fields
@@ -138,6 +131,12 @@ class IngestResult:
     duplicate: bool
 
 
+# Sent inside the storing transaction with every newly stored event (`events`, StoredEvents in seq order).
+# Storage stores and projects; what the events mean for a run (its lifecycle, its alerts) is up to the
+# receivers, which live above it and connect in their apps' ready().
+events_stored = Signal()
+
+
 def store_batches(batches: list[PendingBatch]) -> list[IngestResult]:
     """Store every batch not stored before, all or nothing; answers in the order given."""
     with transaction.atomic():
@@ -146,14 +145,8 @@ def store_batches(batches: list[PendingBatch]) -> list[IngestResult]:
             new = [batch for batch, is_new in zip(batches, fresh, strict=True) if is_new]
             events = _append(new)
             _project(events)
-        _apply_special(events)
-        metrics = [
-            (event.batch.attempt_id, event.rank, event.step, event.payload)
-            for event in events
-            if event.kind == "metric"
-        ]
-        if metrics:
-            transaction.on_commit(lambda: watcher.notice(metrics))
+        if events:
+            events_stored.send(sender=StoredEvent, events=events)
     return [
         IngestResult(stored=len(batch.events), duplicate=False) if is_new else IngestResult(stored=0, duplicate=True)
         for batch, is_new in zip(batches, fresh, strict=True)
@@ -377,44 +370,3 @@ def _record_heartbeats(heartbeats: list[StoredEvent]) -> None:
 
 def _json_or_null(value) -> str | None:
     return None if value is None else json.dumps(value)
-
-
-def _apply_special(events: list[StoredEvent]) -> None:
-    """Checkpoint events fill the lineage and the launcher's state events move the attempt, in the same
-    transaction as the events themselves."""
-    special = [
-        event
-        for event in events
-        if event.kind == "checkpoint" or (event.kind == "state" and event.rank == LAUNCHER_RANK)
-    ]
-    if not special:
-        return
-    attempts = Attempt.objects.select_related("run").in_bulk({event.batch.attempt_id for event in special})
-    for event in special:
-        attempt = attempts[event.batch.attempt_id]
-        if event.kind == "checkpoint":
-            record_checkpoint_event(attempt, event.as_model())
-        else:
-            _apply_launcher_state(attempt, event.payload)
-            attempt.refresh_from_db()
-            if attempt.state == states.FAILED and event.payload.get("state") == states.FAILED:
-                announce(
-                    record_exit(attempt, event.payload.get("failure_rank"), str(event.payload.get("failure_cause", "")))
-                )
-
-
-def _apply_launcher_state(attempt: Attempt, payload: dict) -> None:
-    target = payload.get("state")
-    if target == attempt.state:
-        return
-    try:
-        run_services.move_attempt(
-            attempt,
-            target,
-            exit_code=payload.get("exit_code"),
-            reason=payload.get("reason", ""),
-            failure_kind=payload.get("failure_kind", ""),
-            retryable=payload.get("retryable"),
-        )
-    except ValueError as error:
-        log.warning("launcher reported state %r for %s, kept %s: %s", target, attempt, attempt.state, error)
