@@ -41,6 +41,15 @@ class ThreeNodeBackend:
         ]
 
 
+class UnreachableBackend(ThreeNodeBackend):
+    """A backend whose controller does not answer, as Slurm's backend raises when sinfo fails."""
+
+    name = "nodes-unreachable"
+
+    def nodes(self):
+        raise RuntimeError("sinfo failed (1): Unable to contact slurm controller (connect failure)")
+
+
 def use_three_node_backend(settings):
     """Make ThreeNodeBackend the one new attempts launch onto, for one test (pytest-django's `settings`)."""
     settings.LOOM_BACKENDS = {**settings.LOOM_BACKENDS, BACKEND: f"{__name__}.ThreeNodeBackend"}
@@ -83,7 +92,7 @@ def test_a_node_names_only_the_users_own_runs_and_counts_everyone_elses_ranks(ba
     placed(other_user, "theirs", nodes=["n1"], hosts={0: "n1", 1: "n1", 2: "n1"})
     starting = placed(other_user, "theirs-starting", nodes=["n2"], state=states.STARTING)
 
-    table = nodes.node_table(ada, backend)
+    table = nodes.node_table(ada, backend).rows
     assert [(row.name, row.state, row.cpus, row.gpus, row.reason) for row in table] == [
         ("n1", "mixed", 16, 2, ""),
         ("n2", "idle", 16, 2, ""),
@@ -97,7 +106,7 @@ def test_a_node_names_only_the_users_own_runs_and_counts_everyone_elses_ranks(ba
     assert (n2.other_runs, n2.other_ranks) == (1, 0)
     assert (n3.runs, n3.other_runs, n3.other_ranks) == ([], 0, 0)
 
-    theirs = nodes.node_table(other_user, backend)
+    theirs = nodes.node_table(other_user, backend).rows
     assert [run.run_name for run in row_named(theirs, "n1").runs] == ["theirs"]
     assert row_named(theirs, "n2").runs == [nodes.RunOnNode(starting.pk, "theirs-starting", 1, states.STARTING, [])]
     assert (row_named(theirs, "n1").other_runs, row_named(theirs, "n1").other_ranks) == (1, 2)
@@ -111,7 +120,7 @@ def test_the_api_never_names_another_users_run(backend, client, platform_user, o
     response = api(client, "get", "/api/nodes", token_for(ada))
     assert response.status_code == 200, response.content
     body = response.json()
-    assert body["backend"] == BACKEND
+    assert (body["backend"], body["unavailable"]) == (BACKEND, "")
     n1 = body["nodes"][0]
     assert n1["name"] == "n1"
     assert [(run["name"], run["ranks"]) for run in n1["runs"]] == [("mine", [0, 1])]
@@ -125,7 +134,7 @@ def test_ended_attempts_and_other_backends_are_not_on_a_node(backend, platform_u
     placed(ada, "finished", nodes=["n1"], hosts={0: "n1"}, state=states.SUCCEEDED)
     placed(ada, "elsewhere", nodes=["n1"], hosts={0: "n1"}, backend="another")
 
-    n1 = row_named(nodes.node_table(ada, backend), "n1")
+    n1 = row_named(nodes.node_table(ada, backend).rows, "n1")
     assert (n1.runs, n1.other_runs, n1.other_ranks) == ([], 0, 0)
 
 
@@ -143,7 +152,7 @@ def test_failures_per_node_count_only_failed_attempts_whose_nodes_include_it(bac
     assert nodes.failures_on(backend, "n1") == {"node_failure": 2, "": 1}
     assert nodes.failures_on(backend, "n2") == {"node_failure": 1, "killed": 1}
     assert nodes.failures_on(backend, "n3") == {}
-    table = nodes.node_table(ada, backend)
+    table = nodes.node_table(ada, backend).rows
     assert {row.name: row.failures for row in table} == {
         "n1": {"": 1, "node_failure": 2},
         "n2": {"killed": 1, "node_failure": 1},
@@ -204,7 +213,7 @@ def test_excluded_names_lists_this_backends_exclusions_whoever_made_them(backend
     ExcludedNode.objects.create(backend="another", name="n2", reason="not this backend's")
 
     assert nodes.excluded_names(backend) == ["n1", "n3"]
-    table = nodes.node_table(platform_user[0], backend)
+    table = nodes.node_table(platform_user[0], backend).rows
     assert row_named(table, "n3").excluded.by is None
     assert row_named(table, "n1").excluded.by == "ada"
     assert row_named(table, "n2").excluded is None
@@ -216,11 +225,11 @@ def test_excluded_names_lists_this_backends_exclusions_whoever_made_them(backend
 def test_an_excluded_node_the_backend_no_longer_lists_stays_listed_to_be_included(backend, platform_user):
     ExcludedNode.objects.create(backend=BACKEND, name="n0", reason="removed from the cluster")
 
-    table = nodes.node_table(platform_user[0], backend)
+    table = nodes.node_table(platform_user[0], backend).rows
     assert [row.name for row in table] == ["n1", "n2", "n3", "n0"]
     assert (table[-1].state, table[-1].excluded.reason) == (nodes.NOT_REPORTED, "removed from the cluster")
     nodes.include_node(backend, "n0")
-    assert [row.name for row in nodes.node_table(platform_user[0], backend)] == ["n1", "n2", "n3"]
+    assert [row.name for row in nodes.node_table(platform_user[0], backend).rows] == ["n1", "n2", "n3"]
 
 
 def test_the_nodes_page_shows_own_runs_linked_and_others_as_a_count(backend, client, platform_user, other_user):
@@ -247,3 +256,30 @@ def test_the_nodes_page_and_api_need_a_login(backend, client):
     assert client.get("/nodes/").status_code == 302
     assert client.get("/api/nodes").status_code == 401
     assert client.post("/api/nodes/n1/exclude", {"reason": "x"}, content_type="application/json").status_code == 401
+
+
+def test_a_backend_that_cannot_list_its_nodes_says_why_and_still_lists_the_excluded(
+    settings, client, platform_user, token_for
+):
+    settings.LOOM_BACKENDS = {**settings.LOOM_BACKENDS, UnreachableBackend.name: f"{__name__}.UnreachableBackend"}
+    settings.LOOM_BACKEND = UnreachableBackend.name
+    ExcludedNode.objects.create(backend=UnreachableBackend.name, name="n2", reason="ECC errors")
+    token = token_for(platform_user[0])
+    why = (
+        f"the {UnreachableBackend.name} backend could not list its nodes: "
+        "sinfo failed (1): Unable to contact slurm controller (connect failure)"
+    )
+
+    body = api(client, "get", "/api/nodes", token).json()
+    assert body["unavailable"] == why
+    assert [(node["name"], node["state"], node["excluded"]["reason"]) for node in body["nodes"]] == [
+        ("n2", nodes.NOT_REPORTED, "ECC errors")
+    ]
+    response = api(client, "post", "/api/nodes/n1/exclude", token, {"reason": "slow"})
+    assert (response.status_code, response.json()) == (503, {"detail": f"{why}; try again once it answers"})
+    assert api(client, "delete", "/api/nodes/n2/exclude", token).status_code == 204
+    assert not ExcludedNode.objects.exists()
+
+    client.force_login(platform_user[0])
+    html = client.get("/nodes/").content.decode()
+    assert f"{why}. Only the excluded nodes are listed." in html

@@ -13,7 +13,7 @@ from django.db import IntegrityError, transaction
 from loom.telemetry.models import RankStatus
 
 from . import states
-from .backends import Backend, current_backend
+from .backends import Backend, NodeInfo, current_backend
 from .models import Attempt, ExcludedNode
 
 REASON_MAX_CHARS = 1000
@@ -65,11 +65,35 @@ class NodeRow:
     failures: dict[str, int] = field(default_factory=dict)
 
 
-def node_table(user, backend: Backend | None = None) -> list[NodeRow]:
+@dataclass(frozen=True)
+class NodeTable:
+    backend: str
+    rows: list[NodeRow]
+    # Why the backend's own nodes are missing from the rows (it could not list them); empty when it listed them.
+    unavailable: str = ""
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend could not list its nodes (slurmctld down, sinfo missing); the message says why."""
+
+
+def reported_nodes(backend: Backend) -> list[NodeInfo]:
+    try:
+        return backend.nodes()
+    except Exception as error:  # whatever a backend's commands fail with: said to the user, not a server error
+        raise BackendUnavailable(f"the {backend.name} backend could not list its nodes: {error}") from error
+
+
+def node_table(user, backend: Backend | None = None) -> NodeTable:
     """Every node of `backend` (the one new attempts launch onto unless given), and after them the excluded
-    nodes it no longer lists, as `user` may see them."""
+    nodes it does not list, as `user` may see them. A backend that cannot list its nodes leaves only the
+    excluded ones, so they can still be included."""
     backend = backend or current_backend()
-    reported = backend.nodes()
+    unavailable = ""
+    try:
+        reported = reported_nodes(backend)
+    except BackendUnavailable as error:
+        reported, unavailable = [], str(error)
     exclusions = {
         row.name: row for row in ExcludedNode.objects.filter(backend=backend.name).select_related("excluded_by")
     }
@@ -85,19 +109,20 @@ def node_table(user, backend: Backend | None = None) -> list[NodeRow]:
         for name in sorted(exclusions)
         if name not in known
     ]
-    return rows
+    return NodeTable(backend.name, rows, unavailable)
 
 
 def exclude_node(backend: Backend, name: str, reason: str, by=None) -> ExcludedNode:
     """Leave node `name` out of `backend`'s next launches; `by` is the user who asked, None for loom itself.
-    Excluding an excluded node changes nothing: its first reason stands."""
+    Excluding an excluded node changes nothing: its first reason stands. Raises NodeInputError for a bad
+    reason or a node the backend does not list, BackendUnavailable when it cannot list its nodes."""
     clean_reason = (reason or "").strip()
     errors = {}
     if not clean_reason:
         errors["reason"] = "is required: say why the node is left out, for whoever reads it next"
     elif len(clean_reason) > REASON_MAX_CHARS:
         errors["reason"] = f"must be at most {REASON_MAX_CHARS} characters (it has {len(clean_reason)})"
-    names = [node.name for node in backend.nodes()]
+    names = [node.name for node in reported_nodes(backend)]
     if name not in names:
         errors["name"] = f"backend {backend.name} has no node {name!r}; its nodes are {', '.join(names) or 'none'}"
     if errors:

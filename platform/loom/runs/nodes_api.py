@@ -53,6 +53,13 @@ class NodeOut(Schema):
 class NodeTableOut(Schema):
     backend: str
     nodes: list[NodeOut]
+    # Why the backend's own nodes are missing (it could not list them: slurmctld down, say); only the excluded
+    # nodes are listed then. Empty when it listed them.
+    unavailable: str
+
+    @staticmethod
+    def resolve_nodes(table):
+        return table.rows
 
 
 class ExcludeIn(Schema):
@@ -79,15 +86,18 @@ class FieldErrors(Schema):
     errors: dict[str, str]
 
 
+class Message(Schema):
+    detail: str
+
+
 @router.get("/nodes", response=NodeTableOut)
 def list_nodes(request):
     """Every node of the backend new runs launch onto: its state, CPUs and GPUs, your runs and ranks on it,
     how many ranks of other users' runs, the attempts that failed on it, and whether launches leave it out."""
-    backend = current_backend()
-    return {"backend": backend.name, "nodes": nodes.node_table(request.user, backend)}
+    return nodes.node_table(request.user, current_backend())
 
 
-@router.post("/nodes/{name}/exclude", response={200: ExcludedOut, 400: FieldErrors})
+@router.post("/nodes/{name}/exclude", response={200: ExcludedOut, 400: FieldErrors, 503: Message})
 def exclude_node(request, name: str, body: ExcludeIn):
     """Leave the node out of the next launches (Slurm's --exclude); runs already on it go on. Excluding an
     excluded node changes nothing: the first reason stands."""
@@ -95,6 +105,8 @@ def exclude_node(request, name: str, body: ExcludeIn):
         return nodes.exclude_node(current_backend(), name, body.reason, by=request.user)
     except nodes.NodeInputError as error:
         return Status(400, {"errors": error.errors})
+    except nodes.BackendUnavailable as error:
+        return Status(503, {"detail": f"{error}; try again once it answers"})
 
 
 @router.delete("/nodes/{name}/exclude", response={204: None})

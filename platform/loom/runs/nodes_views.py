@@ -11,9 +11,7 @@ from .nodes import NOT_REPORTED, node_table
 
 @login_required
 def node_list(request):
-    backend = current_backend()
-    rows = [
-        {"node": row, "exclude_url": reverse("api:exclude_node", args=[row.name])}
-        for row in node_table(request.user, backend)
-    ]
-    return render(request, "runs/nodes.html", {"backend": backend.name, "rows": rows, "not_reported": NOT_REPORTED})
+    table = node_table(request.user, current_backend())
+    rows = [{"node": row, "exclude_url": reverse("api:exclude_node", args=[row.name])} for row in table.rows]
+    context = {"backend": table.backend, "unavailable": table.unavailable, "rows": rows, "not_reported": NOT_REPORTED}
+    return render(request, "runs/nodes.html", context)
