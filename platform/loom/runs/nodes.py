@@ -157,14 +157,12 @@ def failures_on(backend: Backend, name: str) -> dict[str, int]:
 def _row(user, name, state, cpus, gpus, reason, exclusions, placements, failures) -> NodeRow:
     own = []
     other_runs = other_ranks = 0
-    for placement in placements.get(name, []):
-        if placement.owner_id == user.pk:
-            own.append(
-                RunOnNode(placement.run_id, placement.run_name, placement.attempt, placement.state, placement.ranks)
-            )
+    for owner_id, run in placements.get(name, []):
+        if owner_id == user.pk:
+            own.append(run)
         else:
             other_runs += 1
-            other_ranks += len(placement.ranks)
+            other_ranks += len(run.ranks)
     exclusion = exclusions.get(name)
     return NodeRow(
         name=name,
@@ -184,19 +182,9 @@ def _exclusion(row: ExcludedNode) -> Exclusion:
     return Exclusion(row.reason, row.excluded_by.get_username() if row.excluded_by else None, row.excluded_at)
 
 
-@dataclass
-class _Placement:
-    owner_id: int
-    run_id: int
-    run_name: str
-    attempt: int
-    state: str
-    ranks: list[int]
-
-
-def _active_placements(backend_name: str, node_names: set[str]) -> dict[str, list[_Placement]]:
-    """node name → the active attempts on it: those the backend placed there (Attempt.nodes) and those whose
-    ranks reported it as their host, each with the ranks that did."""
+def _active_placements(backend_name: str, node_names: set[str]) -> dict[str, list[tuple[int, RunOnNode]]]:
+    """node name → the active attempts on it, each with its run's owner: those the backend placed there
+    (Attempt.nodes) and those whose ranks reported it as their host, with the ranks that did."""
     attempts = list(
         Attempt.objects.filter(backend=backend_name, state__in=states.ACTIVE)
         .select_related("run")
@@ -210,8 +198,10 @@ def _active_placements(backend_name: str, node_names: set[str]) -> dict[str, lis
     for attempt in attempts:
         ranks_by_node = ranks_on.get(attempt.pk, {})
         for node in dict.fromkeys([*attempt.nodes, *ranks_by_node]):
-            owner, run_name, ranks = attempt.run.owner_id, attempt.run.name, ranks_by_node.get(node, [])
-            placements[node].append(_Placement(owner, attempt.run_id, run_name, attempt.number, attempt.state, ranks))
+            run = RunOnNode(
+                attempt.run_id, attempt.run.name, attempt.number, attempt.state, ranks_by_node.get(node, [])
+            )
+            placements[node].append((attempt.run.owner_id, run))
     return placements
 
 
