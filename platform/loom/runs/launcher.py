@@ -21,7 +21,8 @@ from .backends import Backend, LaunchSpec, current_backend
 from .db_retry import retrying
 from .failures import LAUNCH_ERROR, Failure
 from .lifecycle import Ending, end_attempt
-from .models import Attempt, ExcludedNode
+from .models import Attempt
+from .nodes import excluded_names
 from .services import mirror_on_run
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def _report_starting(attempt: Attempt, token: str, work_dir: Path) -> None:
 def launch_spec(attempt: Attempt, token: str, work_dir: Path, config_path: Path, backend: Backend) -> LaunchSpec:
     world_size = world_size_of(attempt.config)
     nodes, ranks_per_node = node_shape(world_size, backend)
-    excluded = tuple(ExcludedNode.objects.filter(backend=backend.name).values_list("name", flat=True))
+    excluded = tuple(sorted({*excluded_names(backend), *attempt.avoid_nodes}))
     env = {
         # The trainer's LOOM_URL is where it sends telemetry.
         "LOOM_URL": settings.LOOM_INGEST_URL,

@@ -19,11 +19,17 @@ from loom.checkpoints.services import latest_committed, record_checkpoint_event,
 from loom.telemetry.services import LAUNCHER_RANK, record_platform_event
 
 from . import restart_policy, states
-from .failures import Failure
+from .backends import backend_named
+from .failures import NODE_FAILURE, Failure
 from .models import Attempt, Run
+from .nodes import BackendUnavailable, exclude_node, failures_on, reported_nodes
 from .services import move_attempt, queue_attempt
 
 log = logging.getLogger(__name__)
+
+DEFAULT_EXCLUDE_AFTER_FAILURES = 2
+# Node states (as backends report them, lower case) that mean the node itself failed.
+UNHEALTHY_NODE_STATES = frozenset({"down", "drained", "draining", "fail", "failing", "not_responding", "unknown"})
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,30 @@ def end_attempt(attempt_id: int, ending: Ending, *, record_event: bool = True) -
         if ending.outcome == states.FAILED:
             cause = failure.reason.partition("\n")[0] if failure else ""
             announce(record_exit(attempt, failure.rank if failure else None, cause))
-            restart_after_failure(attempt)
+            failed_nodes = _judge_failed_nodes(attempt) if failure and failure.kind == NODE_FAILURE else []
+            restart_after_failure(attempt, avoid_nodes=failed_nodes)
     return True
+
+
+def _judge_failed_nodes(attempt: Attempt) -> list[str]:
+    """The attempt's nodes its backend now reports unhealthy. Each counts one more node failure against the node;
+    at restart.exclude_after_failures it is excluded from every later launch until someone includes it again."""
+    backend = backend_named(attempt.backend or "local")
+    try:
+        unhealthy = {node.name for node in reported_nodes(backend) if node.state.split("+")[0] in UNHEALTHY_NODE_STATES}
+    except BackendUnavailable as error:
+        log.warning("%s failed on a node, and its backend could not say which: %s", attempt, error)
+        return []
+    failed = sorted(unhealthy & set(attempt.nodes))
+    limit = attempt.config.get("restart", {}).get("exclude_after_failures", DEFAULT_EXCLUDE_AFTER_FAILURES)
+    for name in failed:
+        count = failures_on(backend, name).get(NODE_FAILURE, 0)
+        if limit and count >= limit:
+            reason = (
+                f"{count} attempts failed on it by node failures, the last {attempt} (restart.exclude_after_failures)"
+            )
+            exclude_node(backend, name, reason)
+    return failed
 
 
 def _locked(attempt_id: int) -> Attempt:
@@ -123,8 +151,9 @@ def _locked(attempt_id: int) -> Attempt:
     return Attempt.objects.select_for_update().select_related("run").get(pk=attempt_id)
 
 
-def restart_after_failure(attempt: Attempt) -> Attempt | None:
-    """Ask the restart policy, record its decision on the failed attempt, and queue the restart if there is one."""
+def restart_after_failure(attempt: Attempt, avoid_nodes: list[str] = ()) -> Attempt | None:
+    """Ask the restart policy, record its decision on the failed attempt, and queue the restart if there is one,
+    away from `avoid_nodes`."""
     decision = restart_policy.decide(_facts(attempt))
     restart = None
     summary = decision.summary
@@ -132,8 +161,10 @@ def restart_after_failure(attempt: Attempt) -> Attempt | None:
         plan = decision.restart
         source = Checkpoint.objects.filter(pk=plan.source.id).first() if plan.source else None
         config = resumed_config(attempt.config, plan.resume)
-        restart = queue_attempt(attempt.run, config, Attempt.RESTART, plan.note, source)
+        restart = queue_attempt(attempt.run, config, Attempt.RESTART, plan.note, source, avoid_nodes=list(avoid_nodes))
         summary = summary.format(number=restart.number)
+        if avoid_nodes:
+            summary += f", away from {', '.join(avoid_nodes)}"
     Attempt.objects.filter(pk=attempt.pk).update(restart_decision=summary)
     attempt.restart_decision = summary
     return restart

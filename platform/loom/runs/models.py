@@ -72,8 +72,10 @@ class Attempt(models.Model):
     backend_handle = models.JSONField(null=True, blank=True)
     # Why the backend has not started it yet, as the backend says ("Resources", "Priority"); empty once it runs.
     pending_reason = models.CharField(max_length=200, blank=True)
-    # The nodes its ranks ran on, as the backend named them.
+    # The nodes its ranks ran on, as the backend named them, and those it must not run on beyond the
+    # backend's excluded nodes: a restart after a node failure avoids the node that failed.
     nodes = models.JSONField(default=list, blank=True)
+    avoid_nodes = models.JSONField(default=list, blank=True)
     # When its launch message was last handed to the broker: the reconciler sends it again when a queued
     # attempt waited too long (the broker was down when it was created, or the message was lost).
     launch_sent_at = models.DateTimeField(null=True, blank=True)

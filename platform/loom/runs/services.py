@@ -67,9 +67,9 @@ def create_run(owner, name, document, cluster=None) -> Run:
     return run
 
 
-def queue_attempt(run: Run, config: dict, trigger: str, note: str = "", source=None) -> Attempt:
+def queue_attempt(run: Run, config: dict, trigger: str, note: str = "", source=None, avoid_nodes=()) -> Attempt:
     """Add the run's next attempt, queued, resuming from the checkpoint `source` (null: as its config
-    says), and launch it once committed. Call inside a transaction."""
+    says), away from `avoid_nodes`, and launch it once committed. Call inside a transaction."""
     from celery import current_app
 
     from loom.telemetry.services import record_platform_event
@@ -83,6 +83,7 @@ def queue_attempt(run: Run, config: dict, trigger: str, note: str = "", source=N
         trigger_note=note,
         restored_from=source,
         launch_sent_at=timezone.now(),
+        avoid_nodes=list(avoid_nodes),
     )
     mirror_on_run(attempt)
     payload = {"state": states.QUEUED, "attempt": number, "trigger": trigger}
