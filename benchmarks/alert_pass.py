@@ -37,7 +37,7 @@ user = ensure_user("bench", "bench-password")
 
 
 def seeded_attempt(steps):
-    with mock.patch("loom.runs.tasks.launch_attempt.delay"):
+    with mock.patch("loom.runs.services.send_launch"):
         run = create_run(user, f"{ranks} ranks x {steps} steps", json.loads(os.environ["BENCH_CONFIG"]))
     attempt, _ = claim_attempt(run.attempts.get().pk)
     with connection.cursor() as cursor:

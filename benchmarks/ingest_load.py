@@ -101,7 +101,7 @@ from django.contrib.auth import get_user_model
 from loom.runs import services
 from loom.runs.launcher import claim_attempt
 user = get_user_model().objects.create_user("ingest-load", password=os.environ["BENCH_PASSWORD"])
-with mock.patch("loom.runs.tasks.launch_attempt.delay") as delay:
+with mock.patch("loom.runs.services.send_launch") as delay:
     run = services.create_run(user, os.environ["BENCH_RUN_NAME"], json.loads(os.environ["BENCH_CONFIG"]))
 assert delay.call_count == 1
 attempt, token = claim_attempt(run.attempts.get().pk)

@@ -47,7 +47,7 @@ from unittest import mock
 ranks, steps, slow = int(os.environ["BENCH_RANKS"]), int(os.environ["BENCH_STEPS"]), int(os.environ["BENCH_SLOW"])
 COMM_WINDOW = 10  # the trainer's default comm_window_steps
 user = ensure_user("bench", os.environ["BENCH_PASSWORD"])
-with mock.patch("loom.runs.tasks.launch_attempt.delay"):
+with mock.patch("loom.runs.services.send_launch"):
     run = create_run(user, f"{ranks} ranks x {steps} steps", json.loads(os.environ["BENCH_CONFIG"]))
 attempt, _ = claim_attempt(run.attempts.get().pk)
 started = time.monotonic()

@@ -22,7 +22,7 @@ from loom.celery import app as celery_app
 from loom.runs import states
 from loom.runs.models import Attempt
 from loom.runs.reconciler import reconcile
-from loom.runs.tasks import send_launch
+from loom.runs.services import send_launch
 from trainer.config import FaultsConfig
 
 # Triton decides when it is first imported whether kernels are compiled or interpreted, and torch

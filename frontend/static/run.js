@@ -458,6 +458,13 @@
     };
     cell("attempt-number").textContent = attempt.number;
     cell("attempt-state").appendChild(badge(attempt.state));
+    const nodes = cell("attempt-nodes");
+    if (attempt.pending_reason) {
+      nodes.appendChild(document.createElement("span")).className = "pending-reason";
+      nodes.lastChild.textContent = `waiting for the scheduler: ${attempt.pending_reason}`;
+    } else {
+      nodes.textContent = attempt.nodes.join(", ");
+    }
     const trigger = cell("attempt-trigger");
     trigger.append(attempt.trigger);
     if (attempt.restored_from !== null) {

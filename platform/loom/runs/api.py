@@ -30,6 +30,11 @@ class AttemptOut(Schema):
     failure_kind: str
     retryable: bool | None
     restart_decision: str
+    # The launch backend (local, slurm), the nodes its ranks ran on, and while it waits to start, why (the
+    # scheduler's reason: Resources, Priority).
+    backend: str
+    nodes: list[str]
+    pending_reason: str
     # created, restart (automatic) or restore (someone chose a checkpoint), and why in words.
     trigger: str
     trigger_note: str

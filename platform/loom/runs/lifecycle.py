@@ -214,3 +214,15 @@ def mark_running(attempt_id: int, nodes: list[str]) -> bool:
             record_platform_event(attempt.run, attempt, "state", payload)
         Attempt.objects.filter(pk=attempt.pk).update(nodes=nodes, pending_reason="")
     return True
+
+
+def note_pending(attempt_id: int, reason: str) -> None:
+    """The backend holds the attempt back for `reason` (Slurm's Resources, Priority): kept on the attempt and
+    told to its pages as a state event that keeps the state."""
+    with transaction.atomic():
+        attempt = _locked(attempt_id)
+        if attempt.state in states.TERMINAL or attempt.pending_reason == reason:
+            return
+        Attempt.objects.filter(pk=attempt.pk).update(pending_reason=reason)
+        payload = {"attempt": attempt.number, "state": attempt.state, "pending_reason": reason}
+        record_platform_event(attempt.run, attempt, "state", payload)

@@ -21,7 +21,7 @@ from django.utils import timezone
 from . import states
 from .backends import ENDED, PENDING, RUNNING, Observation, backend_named
 from .failures import WORKER_LOST, Failure, classify
-from .lifecycle import Ending, end_attempt, mark_running
+from .lifecycle import Ending, end_attempt, mark_running, note_pending
 from .models import Attempt
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def _act(backend, attempt: Attempt, observation: Observation | None, done: Pass)
         done.cancels_sent.append(attempt.pk)
     if observation.state == PENDING:
         if attempt.pending_reason != observation.pending_reason:
-            Attempt.objects.filter(pk=attempt.pk).update(pending_reason=observation.pending_reason)
+            note_pending(attempt.pk, observation.pending_reason)
         return
     if attempt.state == states.STARTING or list(observation.nodes) != attempt.nodes or attempt.pending_reason:
         if mark_running(attempt.pk, list(observation.nodes)):

@@ -1,5 +1,6 @@
 """Run business rules: creating, cancelling and moving attempts through their states."""
 
+from celery import current_app
 from django.db import transaction
 from django.http import Http404
 from django.utils import timezone
@@ -70,8 +71,6 @@ def create_run(owner, name, document, cluster=None) -> Run:
 def queue_attempt(run: Run, config: dict, trigger: str, note: str = "", source=None, avoid_nodes=()) -> Attempt:
     """Add the run's next attempt, queued, resuming from the checkpoint `source` (null: as its config
     says), away from `avoid_nodes`, and launch it once committed. Call inside a transaction."""
-    from celery import current_app
-
     from loom.telemetry.services import record_platform_event
 
     number = (run.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
@@ -94,8 +93,13 @@ def queue_attempt(run: Run, config: dict, trigger: str, note: str = "", source=N
     record_platform_event(run, attempt, "state", payload)
     # robust: an unreachable broker must not turn a stored run into an error response; the reconciler sends
     # the launch again once the attempt has waited LOOM_RELAUNCH_AFTER_S. By name: the tasks sit above this module.
-    transaction.on_commit(lambda: current_app.send_task(LAUNCH_TASK, args=[attempt.pk]), robust=True)
+    transaction.on_commit(lambda: send_launch(attempt.pk), robust=True)
     return attempt
+
+
+def send_launch(attempt_id: int) -> None:
+    """Hand the attempt's launch message to the broker, by task name: the tasks import this module."""
+    current_app.send_task(LAUNCH_TASK, args=[attempt_id])
 
 
 def runs_for(user):
@@ -116,8 +120,6 @@ def latest_attempt(run: Run) -> Attempt:
 
 def cancel_run(run: Run) -> Run:
     """Cancel the latest attempt: at once if it has not started, else ask its launcher to stop it."""
-    from celery import current_app
-
     from loom.telemetry.services import record_platform_event
 
     with transaction.atomic():

@@ -1,11 +1,11 @@
-from celery import current_app, shared_task
+from celery import shared_task
 from django.conf import settings
 from django.db import InterfaceError, OperationalError
 
 from . import launcher, reconciler
 from .backends import backend_named
 from .models import Attempt
-from .services import CANCEL_TASK, LAUNCH_TASK
+from .services import CANCEL_TASK, LAUNCH_TASK, send_launch
 
 
 @shared_task(
@@ -20,12 +20,6 @@ def launch_attempt(attempt_id: int) -> str:
     """Claim the attempt and hand it to the launch backend; returns once it is submitted. Safe to deliver
     twice: only the first delivery claims it."""
     return launcher.launch(attempt_id)
-
-
-def send_launch(attempt_id: int) -> None:
-    """Hand the attempt's launch message to the broker, by name: the services that queue attempts sit below
-    this module and must not import it."""
-    current_app.send_task(LAUNCH_TASK, args=[attempt_id])
 
 
 @shared_task(name="loom.runs.reconcile", acks_late=False, ignore_result=True)
