@@ -44,7 +44,7 @@ class ThreeNodeBackend:
 class UnreachableBackend(ThreeNodeBackend):
     """A backend whose controller does not answer, as Slurm's backend raises when sinfo fails."""
 
-    name = "nodes-unreachable"
+    name = "nodes-down"
 
     def nodes(self):
         raise RuntimeError("sinfo failed (1): Unable to contact slurm controller (connect failure)")
