@@ -2,11 +2,13 @@
 node, and excluding a node from the next launches, through the services, the API and the page."""
 
 import json
+import os
+import socket
 
 import pytest
 
 from loom.runs import nodes, states
-from loom.runs.backends import NodeInfo, current_backend
+from loom.runs.backends import NodeInfo, backend_named, current_backend
 from loom.runs.models import Attempt, ExcludedNode
 from loom.runs.services import create_run
 from loom.telemetry.models import RankStatus
@@ -283,3 +285,17 @@ def test_a_backend_that_cannot_list_its_nodes_says_why_and_still_lists_the_exclu
     client.force_login(platform_user[0])
     html = client.get("/nodes/").content.decode()
     assert f"{why}. Only the excluded nodes are listed." in html
+
+
+def test_the_local_backend_is_this_host_with_the_runs_whose_ranks_report_it(platform_user, other_user):
+    local = backend_named("local")
+    host = socket.gethostname()
+    mine = placed(platform_user[0], "mine", nodes=[host], hosts={0: host, 1: host}, backend="local")
+    placed(other_user, "theirs", hosts={0: host}, backend="local")
+
+    (row,) = nodes.node_table(platform_user[0], local).rows
+    assert (row.name, row.cpus) == (host, os.cpu_count())
+    assert row.runs == [nodes.RunOnNode(mine.pk, "mine", 1, states.RUNNING, [0, 1])]
+    assert (row.other_runs, row.other_ranks) == (1, 1)
+    nodes.exclude_node(local, host, "its disk is full")
+    assert nodes.excluded_names(local) == [host]
