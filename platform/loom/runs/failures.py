@@ -13,7 +13,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from .logs import first_failure, rank_log_files, tail_lines
+from .logs import first_failure, node_logs, rank_log_files, tail_lines
 
 KILLED = "killed"
 SEGFAULT = "segfault"
@@ -37,7 +37,18 @@ TIME_LIMIT = "timeout"
 # likely the machine's fault as the program's: another try (on other hardware, when the scheduler can
 # choose) may well work, and max_restarts bounds the cost if it does not.
 RETRYABLE = frozenset(
-    {KILLED, SEGFAULT, LOST_PEER, COLLECTIVE_TIMEOUT, GPU_ERROR, WORKER_LOST, UNKNOWN, NODE_FAILURE, PREEMPTED, TIME_LIMIT}
+    {
+        KILLED,
+        SEGFAULT,
+        LOST_PEER,
+        COLLECTIVE_TIMEOUT,
+        GPU_ERROR,
+        WORKER_LOST,
+        UNKNOWN,
+        NODE_FAILURE,
+        PREEMPTED,
+        TIME_LIMIT,
+    }
 )
 
 # The trainer's exit code for a config or launch it refuses before training (trainer.train.USAGE_EXIT_CODE).
@@ -96,8 +107,9 @@ def classify(work_dir: Path, worker_lost: bool = False) -> Failure:
     summary, the first failed rank's error.json, and the tail of the implicated rank's own log."""
     if worker_lost:
         return Failure(WORKER_LOST, "the worker supervising this attempt shut down")
-    launcher_log = work_dir / "logs" / "launcher.log"
-    codes = rank_exit_codes(launcher_log)
+    launcher_logs = [node.launcher_log for node in node_logs(work_dir)]
+    # Each node's summary names global ranks, so the nodes' codes never collide.
+    codes = {rank: code for launcher_log in launcher_logs for rank, code in rank_exit_codes(launcher_log).items()}
     # torchrun stops the surviving ranks with SIGTERM once one fails; those are not the cause.
     killed = {rank: -code for rank, code in codes.items() if code < 0 and -code != signal.SIGTERM}
     if killed:
@@ -127,10 +139,20 @@ def classify(work_dir: Path, worker_lost: bool = False) -> Failure:
             if patterns.search(text):
                 return Failure(kind, detail, failure.rank)
         return Failure(EXCEPTION, detail, failure.rank)
-    tail = "\n".join(tail_lines(launcher_log, FAILURE_TAIL_LINES)) if launcher_log.exists() else ""
+    tail = launcher_tails(launcher_logs)
     if USAGE_EXIT_CODE in codes.values():
         return Failure(INVALID_CONFIG, f"the trainer refused its config or launch\n{tail}")
     return Failure(UNKNOWN, tail)
+
+
+def launcher_tails(launcher_logs: list[Path]) -> str:
+    """The end of every node's launcher log, each under its node's name when there are several."""
+    tails = []
+    for launcher_log in launcher_logs:
+        if launcher_log.exists():
+            heading = [f"== {launcher_log.parent.name} =="] if len(launcher_logs) > 1 else []
+            tails.append("\n".join(heading + tail_lines(launcher_log, FAILURE_TAIL_LINES)))
+    return "\n".join(tails)
 
 
 def rank_log_tail(work_dir: Path, rank: int) -> str:
