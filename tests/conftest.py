@@ -45,11 +45,11 @@ def free_port() -> int:
 class PlatformServer:
     """The real ASGI application under uvicorn, in a thread."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, host: str = "127.0.0.1"):
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self.server = uvicorn.Server(
-            uvicorn.Config("loom.asgi:application", host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+            uvicorn.Config("loom.asgi:application", host=host, port=port, log_level="warning", lifespan="off")
         )
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{port}", daemon=True)
 
