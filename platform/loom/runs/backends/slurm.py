@@ -37,13 +37,15 @@ BACKEND_ENDS = {
     "CANCELLED": ("cancelled", "Slurm cancelled job {job} (scancel, or an administrator)"),
     "TIMEOUT": ("timeout", "job {job} reached its time limit"),
     "DEADLINE": ("timeout", "job {job} reached its deadline"),
-    "NODE_FAIL": ("node_failure", "a node of job {job} failed ({nodes})"),
-    "BOOT_FAIL": ("node_failure", "a node of job {job} failed to boot ({nodes})"),
+    "NODE_FAIL": ("node_failure", "Slurm ended job {job} on a node failure"),
+    "BOOT_FAIL": ("node_failure", "a node of job {job} failed to boot"),
     "OUT_OF_MEMORY": ("out_of_memory", "job {job} ran out of memory (Slurm's memory limit)"),
     "PREEMPTED": ("preempted", "job {job} was preempted by a higher-priority job"),
     "REVOKED": ("cancelled", "job {job} was revoked (it started on another federated cluster)"),
 }
 PROGRAM_ENDS = frozenset({"COMPLETED", "FAILED", "SPECIAL_EXIT"})
+# sinfo's states of a node that cannot run jobs (drained, draining, down, failing, …).
+UNUSABLE_NODE_STATES = ("down", "drain", "fail", "not_responding", "inval")
 # What scancel says of a job that has already ended or been forgotten: cancelling it again is done.
 FINISHED_JOB_ERRORS = re.compile(r"Invalid job id|already completing or completed|Job/step already", re.IGNORECASE)
 
@@ -123,18 +125,19 @@ def observation_of(job_id: str, job: dict, down_nodes: dict[str, str] | None = N
         return Observation(ENDED, exit_code=exit_code, nodes=nodes)
     if state in BACKEND_ENDS:
         kind, template = BACKEND_ENDS[state]
-        failed = [node for node in nodes if node in (down_nodes or {})]
-        if failed:
-            where = ", ".join(f"node {node} failed: {down_nodes[node]}" for node in failed)
-        else:
-            where = "Slurm did not say which" if not nodes else f"on {', '.join(nodes)}"
-        return Observation(
-            ENDED,
-            exit_code=job["exit_code"],
-            backend_failure=(kind, template.format(job=job_id, nodes=where)),
-            nodes=nodes,
-        )
+        reason = template.format(job=job_id)
+        if kind == "node_failure":
+            reason = node_failure_reason(reason, nodes, down_nodes or {})
+        return Observation(ENDED, exit_code=job["exit_code"], backend_failure=(kind, reason), nodes=nodes)
     return Observation(UNKNOWN)
+
+
+def node_failure_reason(reason: str, nodes: tuple[str, ...], down_nodes: dict[str, str]) -> str:
+    """Name the job's nodes Slurm now holds down (the failure the next attempt should avoid)."""
+    failed = [node for node in nodes if node in down_nodes]
+    if failed:
+        return "; ".join(f"node {node} failed ({down_nodes[node]})" for node in failed) + f": {reason}"
+    return f"{reason} (Slurm no longer says which of {', '.join(nodes) or 'its nodes'})"
 
 
 def lost(job_id: str) -> Observation:
@@ -182,6 +185,9 @@ def batch_script(spec: LaunchSpec, partition: str = "", account: str = "") -> st
         f"--job-name=loom-run{spec.run_id}-attempt{spec.number}",
         f"--nodes={spec.nodes}",
         "--ntasks-per-node=1",
+        # loom makes the next attempt itself (from a checkpoint, without the failed node): a job Slurm
+        # requeued after a node failure would start again beside it.
+        "--no-requeue",
         # Every rank of a node belongs to this job: all its CPUs (and GPUs) are the job's.
         "--exclusive",
         "--open-mode=append",
@@ -307,8 +313,8 @@ class SlurmBackend:
             nodes = self.nodes()
         except SlurmCommandError:
             return {}
-        return {node.name: f"{node.state}, {node.reason}" if node.reason else node.state for node in nodes
-                if node.state.startswith(("down", "drain", "fail", "not_responding"))}  # fmt: skip
+        unusable = [node for node in nodes if node.state.startswith(UNUSABLE_NODE_STATES)]
+        return {node.name: f"{node.state}: {node.reason}" if node.reason else node.state for node in unusable}
 
     def _slurm(self, *command: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
         env = {**os.environ, "SLURM_CONF": settings.LOOM_SLURM_CONF} if settings.LOOM_SLURM_CONF else None
