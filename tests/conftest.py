@@ -23,6 +23,7 @@ from loom.runs import states
 from loom.runs.models import Attempt
 from loom.runs.reconciler import reconcile
 from loom.runs.services import send_launch
+from tests.slurm_cluster import slurm_cluster  # noqa: F401
 from trainer.config import FaultsConfig
 
 # Triton decides when it is first imported whether kernels are compiled or interpreted, and torch
