@@ -286,6 +286,7 @@ class SlurmCluster:
             run("ip", "link", "del", BRIDGE, check=False)
         for node in self.nodes:
             remove_cgroups(node)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     def _namespace_pids(self, node: str) -> list[int]:
         try:
@@ -323,9 +324,10 @@ def start_cluster() -> SlurmCluster:
     cluster.conf.parent.mkdir()
     try:
         cluster.start()
-    except BaseException:
+    except BaseException as error:
+        logs = {path.name: path.read_text(errors="replace")[-2000:] for path in (directory / "log").glob("*")}
         cluster.stop()
-        raise
+        raise RuntimeError(f"the Slurm test cluster did not start: {error}\nlast of its logs: {logs}") from error
     return cluster
 
 

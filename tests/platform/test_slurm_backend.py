@@ -259,7 +259,8 @@ def hosts_by_rank(work_dir):
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_a_two_node_run_ends_well_while_a_three_node_job_waits_for_resources(backend, slurm_cluster, tmp_path):
-    spec = spec_for(tmp_path, attempt_id=101)
+    # Long enough that the three-node job is seen waiting while this one holds two nodes.
+    spec = spec_for(tmp_path, attempt_id=101, steps=20)
     handle = backend.submit(spec)
     handles = {101: handle}
     running = wait_for_state(backend, handles, 101, RUNNING)
@@ -352,3 +353,21 @@ def test_a_job_slurm_never_knew_is_lost_and_a_controller_that_does_not_answer_de
     settings.LOOM_SLURM_CONF = str(tmp_path / "slurm.conf")
     observations = backend.observe({1: {"job_id": "1"}, 2: {"job_id": "987654"}})
     assert observations == {1: Observation(UNKNOWN), 2: Observation(UNKNOWN)}
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_node_that_loses_its_link_ends_the_job_as_a_node_failure_naming_it(backend, slurm_cluster, tmp_path):
+    spec = spec_for(tmp_path, attempt_id=401, exclude=("n1",), steps=100_000)
+    handle = backend.submit(spec)
+    assert wait_for_state(backend, {401: handle}, 401, RUNNING).nodes == ("n2", "n3")
+    slurm_cluster.link_down("n3")
+    try:
+        ended = wait_for_state(backend, {401: handle}, 401, ENDED)
+    finally:
+        slurm_cluster.link_up("n3")
+    kind, reason = ended.backend_failure
+    assert kind == "node_failure" and reason.startswith("node n3 failed (down") and "n2 failed" not in reason
+    # Not requeued by Slurm behind loom's back: the job stays ended, and n3 comes back for the next tests.
+    assert backend.observe({401: handle})[401].state == ENDED
+    wait_for(lambda: slurm_cluster.node_states()["n3"] == "idle", timeout=180, message="n3 to be idle again")
