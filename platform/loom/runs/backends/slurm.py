@@ -72,7 +72,7 @@ def expand_nodelist(nodelist: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def parse_squeue(text: str) -> dict[str, dict[str, str]]:
+def parse_squeue(text: str) -> dict[str, dict]:
     """Job id → {state, reason, nodes, exit_code} from `squeue -h -O` lines of SQUEUE_FORMAT."""
     jobs = {}
     for line in text.splitlines():
@@ -89,7 +89,7 @@ def parse_squeue(text: str) -> dict[str, dict[str, str]]:
     return jobs
 
 
-def parse_scontrol_job(text: str) -> dict[str, str]:
+def parse_scontrol_job(text: str) -> dict:
     """One job from `scontrol show job -o`, as the same keys parse_squeue gives."""
     fields = dict(re.findall(r"(\w+)=(\S*)", text))
     code, _, signal_number = fields.get("ExitCode", "0:0").partition(":")
@@ -155,7 +155,7 @@ def parse_sinfo_nodes(text: str) -> list[NodeInfo]:
             name,
             NodeInfo(
                 name=name,
-                state=state.strip().rstrip("*~#!%$@^-").lower(),
+                state=state.strip().rstrip("*~#!%$@^+-").lower(),
                 cpus=int(cpus) if cpus.strip().isdigit() else 0,
                 gpus=gpus_in(gres),
                 reason="" if reason.strip() == "none" else reason.strip(),
