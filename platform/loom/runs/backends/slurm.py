@@ -243,6 +243,8 @@ def node_script(spec: LaunchSpec) -> str:
 
 class SlurmBackend:
     name = "slurm"
+    # An attempt's ranks are spread over nodes of LOOM_RANKS_PER_NODE ranks (loom.runs.launcher.node_shape).
+    spans_nodes = True
 
     def submit(self, spec: LaunchSpec) -> dict:
         work_dir = Path(spec.work_dir)
