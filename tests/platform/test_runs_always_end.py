@@ -6,6 +6,8 @@ module's own (tests/deployment.py); what happened is counted straight from that 
 launch, end or restart fails a test however the platform's own pages would show it."""
 
 import contextlib
+import os
+import signal
 import time
 from datetime import datetime
 from pathlib import Path
@@ -280,6 +282,30 @@ def test_a_postgres_restart_mid_run_leaves_the_run_to_succeed_with_every_step_an
     assert step_rows(deployment, attempt["id"]) == dict.fromkeys(range(WORLD_SIZE), STEPS)
 
 
+def test_a_run_that_finishes_while_postgres_is_down_succeeds_once_it_is_back_with_every_step(deployment):
+    run_id = create_run(deployment, TRAINING, "finished while postgres is down")
+    attempt = training_attempt(deployment, run_id, past_step=STEPS - 200)
+    supervisor = attempt["backend_handle"]["pid"]
+    torchrun_and_ranks = [pid for pid in processes_of(deployment, attempt) if pid != supervisor]
+
+    deployment.postgres.stop()
+    try:
+        # Ranks give up delivering their last telemetry after a while and exit; their spools stay behind.
+        wait_until(
+            lambda: not any(process_alive(pid) for pid in torchrun_and_ranks), 120, "torchrun and its ranks to exit"
+        )
+    finally:
+        deployment.postgres.start()
+
+    run = ended_run(deployment, run_id)
+    attempts = assert_each_happened_once(deployment, run_id)
+    assert run["state"] == "succeeded", attempts
+    assert [(a["number"], a["state"], a["exit_code"]) for a in attempts] == [(1, "succeeded", 0)]
+    report_end_delay(deployment, attempts[0])
+    assert step_rows(deployment, attempt["id"]) == dict.fromkeys(range(WORLD_SIZE), STEPS)
+    assert_no_process_left(deployment, attempts[0])
+
+
 def test_cancel_after_a_postgres_restart_mid_run_ends_cancelled_and_stops_every_process(deployment):
     run_id = create_run(deployment, TRAINING, "cancelled after a postgres restart")
     attempt = training_attempt(deployment, run_id)
@@ -319,3 +345,38 @@ def test_a_run_created_while_redis_is_down_is_queued_and_launched_once_when_redi
     assert [(a["number"], a["state"], a["exit_code"]) for a in attempts] == [(1, "succeeded", 0)]
     assert step_rows(deployment, attempt["id"]) == dict.fromkeys(range(WORLD_SIZE), STEPS)
     assert_no_process_left(deployment, attempts[0])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "the local backend's handle names only the supervisor: once it is gone the reconciler ends the attempt "
+        "as worker_lost and queues a restart while the attempt's torchrun, in a session of its own, trains on"
+    ),
+)
+def test_an_attempt_whose_supervisor_is_killed_does_not_end_while_its_ranks_still_train(deployment):
+    """A supervisor can die too (the OOM killer, a person's kill): the attempt's torchrun, in a session of its
+    own, trains on, and the attempt is not over before it is."""
+    run_id = create_run(deployment, TRAINING, "supervisor killed mid-run")
+    attempt = training_attempt(deployment, run_id)
+    supervisor = attempt["backend_handle"]["pid"]
+    ranks = [pid for pid in processes_of(deployment, attempt) if pid != supervisor]
+    assert ranks, "the running attempt's torchrun and ranks were not found"
+
+    os.kill(supervisor, signal.SIGKILL)
+
+    ended = wait_until(
+        lambda: (row := attempt_numbered(deployment, run_id, 1))["state"] in TERMINAL and row,
+        RUN_END_TIMEOUT_S,
+        "attempt 1 to end",
+    )
+    still_training = [pid for pid in ranks if process_alive(pid)]
+    assert not still_training, (
+        f"attempt 1 was recorded {ended['state']} ({ended['failure_kind']}) while its torchrun and ranks "
+        f"{still_training} still trained"
+    )
+    run = ended_run(deployment, run_id)
+    attempts = assert_each_happened_once(deployment, run_id)
+    assert run["state"] == "succeeded", attempts
+    for each in attempts:
+        assert_no_process_left(deployment, each)
