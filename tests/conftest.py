@@ -150,10 +150,25 @@ class ReconcilerLoop:
         self._thread.join(timeout=60)
 
 
+def serve_for_slurm(settings, cluster) -> PlatformServer:
+    """The platform where the cluster's nodes reach it (the bridge's address: inside their namespaces the host's
+    loopback is not theirs), launching onto the cluster with two ranks per node. For a test module's own
+    `platform_server` fixture; the caller stops it."""
+    settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, cluster.host_address]
+    server = PlatformServer(free_port(), host=cluster.host_address).start()
+    settings.LOOM_URL = settings.LOOM_INGEST_URL = server.url
+    settings.LOOM_BACKEND = "slurm"
+    settings.LOOM_SLURM_CONF = str(cluster.conf)
+    settings.LOOM_RANKS_PER_NODE = 2
+    return server
+
+
 @pytest.fixture
 def live_platform(platform_server, settings):
     """The web platform plus a real Celery worker that launches real torchrun attempts, and the reconciler."""
     settings.LOOM_CANCEL_GRACE_S = 5.0
+    # Two CPU cores: at most two runs train at once, the others wait queued.
+    settings.LOOM_LOCAL_MAX_ATTEMPTS = 2
     with (
         start_worker(celery_app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"),
         ReconcilerLoop(interval_s=0.5),

@@ -179,6 +179,9 @@ LOOM_BACKENDS = {
     "local": "loom.runs.backends.local.LocalBackend",
     "slurm": "loom.runs.backends.slurm.SlurmBackend",
 }
+# How many attempts the local backend runs at once on this host; the next wait queued until one ends (a
+# cluster's scheduler does this for the slurm backend).
+LOOM_LOCAL_MAX_ATTEMPTS = int(os.environ.get("LOOM_LOCAL_MAX_ATTEMPTS", "4"))
 # How many ranks a node runs (its GPUs; on CPU, as many as it has cores to spare): a layout of world size W
 # asks the backend for ceil(W / LOOM_RANKS_PER_NODE) nodes. The local backend runs every rank on one host.
 LOOM_RANKS_PER_NODE = int(os.environ.get("LOOM_RANKS_PER_NODE", "8"))

@@ -282,6 +282,27 @@ def test_hangs_a_silent_rank_a_stalled_run_the_grace_before_the_first_step_and_c
     assert not Alert.objects.filter(state__in=Alert.LIVE).exists()
 
 
+def test_an_attempt_past_its_last_step_is_not_hung_while_it_exits(platform_user):
+    attempt = running_attempt(platform_user[0])
+    sender = BatchSender(attempt)
+    last = TINY_CONFIG["steps"]
+    for rank in range(4):
+        sender.send(rank, skewed_metric(rank, last - 1), beat(rank, last - 1))
+    heard_ago(attempt, 130)
+    stored = attempt.events.filter(kind="metric", step=last - 1).latest("received_at").received_at
+    # One step short of the end and silent since: hung.
+    (changes,) = check_hangs(stored + timedelta(seconds=130))
+    assert {alert.rank for alert in changes.opened} == {None, 0, 1, 2, 3}
+    # Every step done and silent since (saving, flushing, exiting on a loaded host): nothing to raise, and what
+    # was raised clears.
+    for rank in range(4):
+        sender.send(rank, skewed_metric(rank, last), beat(rank, last))
+    heard_ago(attempt, 130)
+    stored = attempt.events.filter(kind="metric", step=last).latest("received_at").received_at
+    (changes,) = check_hangs(stored + timedelta(seconds=130))
+    assert changes.opened == [] and len(changes.resolved) == 5
+
+
 def test_a_stalled_run_names_the_rank_the_others_wait_for_once_their_progress_settles(platform_user):
     attempt = running_attempt(platform_user[0])
     sender = BatchSender(attempt)

@@ -7,9 +7,9 @@ import pytest
 
 from loom.checkpoints import services
 from loom.checkpoints.models import Checkpoint, Pin
-from loom.runs.lifecycle import restarts_in_a_row
 from loom.checkpoints.resilience import resilience, young_daly_interval_s
 from loom.runs import states
+from loom.runs.lifecycle import restarts_in_a_row
 from loom.runs.models import Attempt, Run
 
 from .helpers import TINY_CONFIG, BatchSender, checkpoint_event, claimed_run

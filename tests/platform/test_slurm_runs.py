@@ -7,7 +7,7 @@ import pytest
 from loom.runs import states
 from loom.runs.models import Attempt, Run
 from loom.telemetry.models import RankStatus
-from tests.conftest import PlatformServer, free_port, wait_for
+from tests.conftest import serve_for_slurm, wait_for
 
 from .helpers import TINY_CONFIG
 from .test_launch import api, metric_steps
@@ -21,14 +21,7 @@ CHECKPOINTED = {**TWO_NODES, "steps": 40, "checkpoint": {"interval_steps": 5}}
 
 @pytest.fixture
 def platform_server(transactional_db, settings, runs_dir, slurm_cluster):
-    """The platform where the nodes' ranks reach it (the bridge's address, not the host's loopback), launching
-    onto the cluster."""
-    settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, slurm_cluster.host_address]
-    server = PlatformServer(free_port(), host=slurm_cluster.host_address).start()
-    settings.LOOM_URL = settings.LOOM_INGEST_URL = server.url
-    settings.LOOM_BACKEND = "slurm"
-    settings.LOOM_SLURM_CONF = str(slurm_cluster.conf)
-    settings.LOOM_RANKS_PER_NODE = 2
+    server = serve_for_slurm(settings, slurm_cluster)
     try:
         yield server
     finally:
@@ -134,9 +127,7 @@ def test_a_node_that_loses_its_link_fails_the_attempt_and_the_restart_runs_on_th
         )
         first.refresh_from_db()
         assert (first.failure_kind, first.retryable) == ("node_failure", True), first.failure_reason
-        second = wait_for(
-            lambda: Attempt.objects.filter(run=run, number=2).first(), timeout=30, message="the restart"
-        )
+        second = wait_for(lambda: Attempt.objects.filter(run=run, number=2).first(), timeout=30, message="the restart")
         assert second.avoid_nodes == [lost]
         assert f"away from {lost}" in first.restart_decision
         run = finished(run.pk, timeout=420)

@@ -47,6 +47,10 @@ def hang_findings(attempt: Attempt, config: AlertsConfig, now: datetime) -> list
     started = attempt.started_at or now
     statuses = {status.rank: status for status in attempt.rank_status.all()}
     latest, last_progress = _progress(attempt, statuses.values())
+    if latest is not None and latest >= attempt.config.get("steps", latest + 1):
+        # Every step is done: the ranks are saving, flushing and exiting, and the attempt ends when its backend
+        # says so. A wait there (a loaded host, a last checkpoint) is no hang.
+        return []
     findings = []
     # Ranks silent for hang_after_s, or never heard from within the grace.
     patience = config.hang_after_s if latest is not None else config.hang_grace_s

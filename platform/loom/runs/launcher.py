@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from django.conf import settings
+from django.db import connection, transaction
 
 from loom.accounts.tokens import hash_token, mint_token
 from trainer.config import world_size_of
@@ -29,23 +30,45 @@ log = logging.getLogger(__name__)
 
 LAUNCHER_RANK = -1
 STARTING_DELIVERY_S = 10.0
+# The advisory lock's first key: loom's claims, whatever else takes advisory locks on the database.
+CLAIM_LOCK = 0x6C6F6F6D
 
 
 class LaunchRefused(Exception):
     """The attempt cannot be launched as configured on this backend (the message says why and what would do)."""
 
 
-def claim_attempt(attempt_id: int) -> tuple[Attempt, str] | None:
-    """Atomically move a queued attempt to starting and mint its token; None if already taken."""
+class BackendFull(Exception):
+    """The backend runs as many attempts as it may; this one stays queued and is offered again shortly."""
+
+
+def claim_attempt(attempt_id: int, backend: Backend | None = None) -> tuple[Attempt, str] | None:
+    """Atomically move a queued attempt to starting and mint its token; None if already taken. A backend with
+    `max_active` (the local one) takes it only below that many active attempts, else BackendFull."""
     token = mint_token("attempt")
-    claimed = Attempt.objects.filter(pk=attempt_id, state=states.QUEUED, token_hash="").update(
-        state=states.STARTING, token_hash=hash_token(token)
-    )
+    limit = getattr(backend, "max_active", None)
+    with transaction.atomic():
+        if limit is not None:
+            _serialize_claims(backend.name)
+            active = Attempt.objects.filter(backend=backend.name, state__in=states.ACTIVE - {states.QUEUED})
+            if active.count() >= limit and Attempt.objects.filter(pk=attempt_id, state=states.QUEUED).exists():
+                raise BackendFull(f"the {backend.name} backend runs {limit} attempts at once")
+        claimed = Attempt.objects.filter(pk=attempt_id, state=states.QUEUED, token_hash="").update(
+            state=states.STARTING, token_hash=hash_token(token), backend=backend.name if backend else ""
+        )
     if not claimed:
         return None
     attempt = Attempt.objects.select_related("run").get(pk=attempt_id)
     mirror_on_run(attempt)
     return attempt, token
+
+
+def _serialize_claims(backend_name: str) -> None:
+    """Two workers counting a backend's active attempts at once would both see room for one more: on PostgreSQL
+    the count and the claim hold a transaction-scoped advisory lock (SQLite runs one writer at a time anyway)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [CLAIM_LOCK, backend_name])
 
 
 def work_dir_for(attempt: Attempt) -> Path:
@@ -59,17 +82,22 @@ def checkpoint_dir_for(work_dir: Path) -> Path:
 
 
 def launch(attempt_id: int) -> str:
-    claimed = claim_attempt(attempt_id)
+    """Claim and submit the attempt: "submitted", "skipped" (claimed already), "full" (the backend has no room
+    yet: the caller offers it again later) or the state it ended in when it could not be submitted."""
+    backend = current_backend()
+    try:
+        claimed = claim_attempt(attempt_id, backend)
+    except BackendFull:
+        return "full"
     if claimed is None:
         log.info("attempt %s is not queued any more; this delivery does nothing", attempt_id)
         return "skipped"
     attempt, token = claimed
-    backend = current_backend()
     work_dir = work_dir_for(attempt)
     (work_dir / "logs").mkdir(parents=True, exist_ok=True)
     config_path = work_dir / "config.json"
     config_path.write_text(json.dumps(attempt.config, indent=2))
-    Attempt.objects.filter(pk=attempt.pk).update(work_dir=str(work_dir), backend=backend.name)
+    Attempt.objects.filter(pk=attempt.pk).update(work_dir=str(work_dir))
     _report_starting(attempt, token, work_dir)
     try:
         spec = launch_spec(attempt, token, work_dir, config_path, backend)

@@ -1,11 +1,14 @@
 from celery import shared_task
 from django.conf import settings
 from django.db import InterfaceError, OperationalError
+from django.utils import timezone
 
-from . import launcher, reconciler
+from . import launcher, reconciler, states
 from .backends import backend_named
 from .models import Attempt
 from .services import CANCEL_TASK, LAUNCH_TASK, send_launch
+
+BACKEND_FULL_RETRY_S = 2.0
 
 
 @shared_task(
@@ -18,8 +21,13 @@ from .services import CANCEL_TASK, LAUNCH_TASK, send_launch
 )
 def launch_attempt(attempt_id: int) -> str:
     """Claim the attempt and hand it to the launch backend; returns once it is submitted. Safe to deliver
-    twice: only the first delivery claims it."""
-    return launcher.launch(attempt_id)
+    twice: only the first delivery claims it. While the backend is full the attempt stays queued and its
+    launch comes back after BACKEND_FULL_RETRY_S, without holding a worker's slot meanwhile."""
+    outcome = launcher.launch(attempt_id)
+    if outcome == "full":
+        Attempt.objects.filter(pk=attempt_id, state=states.QUEUED).update(launch_sent_at=timezone.now())
+        launch_attempt.apply_async(args=[attempt_id], countdown=BACKEND_FULL_RETRY_S)
+    return outcome
 
 
 @shared_task(name="loom.runs.reconcile", acks_late=False, ignore_result=True)

@@ -34,6 +34,13 @@ def pid_namespace() -> str:
 class LocalBackend:
     name = "local"
 
+    @property
+    def max_active(self) -> int:
+        """Attempts this host runs at once: one machine has no scheduler to queue the rest."""
+        from django.conf import settings
+
+        return settings.LOOM_LOCAL_MAX_ATTEMPTS
+
     def submit(self, spec: LaunchSpec) -> dict:
         from django.conf import settings
 
