@@ -440,6 +440,23 @@ class Deployment:
         (LOOM_ATTEMPT="12": every process of attempt 12: its supervisor, torchrun, the ranks)."""
         return live_processes_where(**{MARKER_VARIABLE: self.marker}, **environment)
 
+    def attempt_processes(self) -> list[int]:
+        """The supervisors, torchruns and ranks of every attempt this deployment launched that still run."""
+        return [pid for pid in self.processes() if "LOOM_ATTEMPT" in environment_of(pid)]
+
+    def end_every_run(self, timeout: float = 60.0) -> None:
+        """Cancel every run still active, then SIGKILL any attempt's process the cancels left: a run one test
+        left training must neither take the next test's CPU nor come back as a restart."""
+        answer = self.api("GET", "/runs")
+        for run in answer.body if answer.status == 200 else []:
+            if run["state"] not in ("succeeded", "failed", "cancelled"):
+                self.cancel(run["id"])
+        try:
+            wait_until(lambda: not self.attempt_processes(), timeout, "the cancelled attempts' processes to end")
+        except AssertionError:
+            for pid in self.attempt_processes():
+                signal_quietly(pid, signal.SIGKILL)
+
     def kill_leftovers(self) -> list[str]:
         """SIGKILL whatever of this deployment still runs; returns what it found, to tell a test about it."""
         found = [f"{pid}: {command_line(pid)}" for pid in self.processes()]

@@ -47,16 +47,22 @@ def deployment():
         yield running
 
 
-@pytest.fixture(autouse=True)
-def whole_deployment(deployment):
-    """Each test starts with every piece up, whatever the test before it broke and did not mend."""
+def mend(deployment: Deployment) -> None:
     if not deployment.redis.running:
         deployment.redis.start()
     if not deployment.postgres.running:
         deployment.postgres.start()
     if not deployment.worker.alive:
         deployment.start_worker()
+
+
+@pytest.fixture(autouse=True)
+def whole_deployment(deployment):
+    """Each test starts with every piece up and nothing training, whatever the test before it broke or left."""
+    mend(deployment)
     yield deployment
+    mend(deployment)
+    deployment.end_every_run()
 
 
 def attempts_of(deployment: Deployment, run_id: int) -> list[dict]:
