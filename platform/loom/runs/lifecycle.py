@@ -203,11 +203,13 @@ def restarts_in_a_row(attempt: Attempt) -> int:
 
 def mark_running(attempt_id: int, nodes: list[str]) -> bool:
     """The backend runs the attempt on `nodes`: a starting attempt moves to running (once); its nodes are kept
-    and a pending reason cleared. False when it had ended meanwhile."""
+    and a pending reason cleared. False when it had ended meanwhile. The nodes only grow: a job that lost a
+    node is still listed on it (Slurm drops a failed node from a job's list), so its failure can be placed."""
     with transaction.atomic():
         attempt = _locked(attempt_id)
         if attempt.state in states.TERMINAL:
             return False
+        nodes = [*attempt.nodes, *(node for node in nodes if node not in attempt.nodes)]
         if attempt.state == states.STARTING:
             move_attempt(attempt, states.RUNNING)
             payload = {"attempt": attempt.number, "state": states.RUNNING, "nodes": nodes}

@@ -115,7 +115,7 @@ def _act(backend, attempt: Attempt, observation: Observation | None, done: Pass)
         if attempt.pending_reason != observation.pending_reason:
             note_pending(attempt.pk, observation.pending_reason)
         return
-    if attempt.state == states.STARTING or list(observation.nodes) != attempt.nodes or attempt.pending_reason:
+    if attempt.state == states.STARTING or not set(observation.nodes) <= set(attempt.nodes) or attempt.pending_reason:
         if mark_running(attempt.pk, list(observation.nodes)):
             done.running.append(attempt.pk)
 
