@@ -15,14 +15,14 @@ from django.utils import timezone
 
 from loom.runs import states
 from loom.runs.backends.local import pid_namespace
-from loom.runs.backends.local_supervisor import EXIT_RECORD
+from loom.runs.backends.local_supervisor import EXIT_RECORD, TORCHRUN_RECORD
 from loom.runs.backends.process_tree import started_at
 from loom.runs.models import Attempt
 from loom.runs.reconciler import reconcile
 from loom.runs.restart_policy import CheckpointRef, FailedAttempt, decide
 from loom.runs.services import create_run
 
-from .helpers import TINY_CONFIG, claimed_run
+from .helpers import TINY_CONFIG, BatchSender, claimed_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -180,6 +180,47 @@ def test_an_attempt_claimed_but_never_submitted_fails_as_worker_lost(platform_us
     reconcile(lambda attempt_id: None)
     attempt.refresh_from_db()
     assert (attempt.state, attempt.failure_kind) == (states.FAILED, "worker_lost")
+
+
+def test_an_attempt_whose_supervisor_died_runs_while_torchrun_does_and_cancel_stops_torchrun(
+    platform_user, tmp_path, sleepers
+):
+    supervisor = sleepers()
+    attempt = submitted(platform_user[0], tmp_path, supervisor)
+    work_dir = tmp_path / f"attempt-{attempt.pk}"
+    # torchrun, as the supervisor started it: the leader of a session and group of its own.
+    torchrun = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        (work_dir / TORCHRUN_RECORD).write_text(
+            json.dumps({"pid": torchrun.pid, "started_at": started_at(torchrun.pid)})
+        )
+        end_with(supervisor, None, work_dir)
+        reconcile(lambda attempt_id: None)
+        attempt.refresh_from_db()
+        assert attempt.state == states.RUNNING
+        Attempt.objects.filter(pk=attempt.pk).update(state=states.CANCELLING, cancel_requested=True)
+        reconcile(lambda attempt_id: None)
+        assert torchrun.wait(timeout=10) == -signal.SIGTERM
+        reconcile(lambda attempt_id: None)
+        attempt.refresh_from_db()
+        assert attempt.state == states.CANCELLED
+    finally:
+        torchrun.kill()
+        torchrun.wait()
+
+
+def test_an_attempt_whose_exit_nobody_saw_succeeded_when_every_rank_said_it_finished(platform_user, tmp_path, sleepers):
+    process = sleepers()
+    attempt = submitted(platform_user[0], tmp_path, process)
+    sender = BatchSender(attempt)
+    for rank in range(2):
+        sender.send(rank, {"kind": "state", "time": 1.0, "payload": {"state": "finished"}})
+    end_with(process, None, tmp_path / f"attempt-{attempt.pk}")
+    reconcile(lambda attempt_id: None)
+    attempt.refresh_from_db()
+    assert attempt.state == states.SUCCEEDED and attempt.run.attempts.count() == 1
+    (end,) = attempt.run.events.filter(kind="state", payload__state=states.SUCCEEDED)
+    assert "every rank reported it finished" in end.payload["reason"]
 
 
 CHECKPOINT = CheckpointRef(id=7, step=30, path="/runs/run-1/attempt-1/checkpoints/step-000030")

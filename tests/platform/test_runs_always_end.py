@@ -353,13 +353,6 @@ def test_a_run_created_while_redis_is_down_is_queued_and_launched_once_when_redi
     assert_no_process_left(deployment, attempts[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the local backend's handle names only the supervisor: once it is gone the reconciler ends the attempt "
-        "as worker_lost and queues a restart while the attempt's torchrun, in a session of its own, trains on"
-    ),
-)
 def test_an_attempt_whose_supervisor_is_killed_does_not_end_while_its_ranks_still_train(deployment):
     """A supervisor can die too (the OOM killer, a person's kill): the attempt's torchrun, in a session of its
     own, trains on, and the attempt is not over before it is."""

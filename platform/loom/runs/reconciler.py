@@ -18,6 +18,9 @@ from pathlib import Path
 from django.conf import settings
 from django.utils import timezone
 
+from loom.telemetry.models import Event
+from trainer.config import world_size_of
+
 from . import states
 from .backends import ENDED, PENDING, RUNNING, Observation, backend_named
 from .failures import WORKER_LOST, Failure, classify
@@ -132,9 +135,18 @@ def ending_of(attempt: Attempt, observation: Observation) -> Ending:
         kind, why = observation.backend_failure
         if kind == "lost":
             kind = WORKER_LOST
+            # Nobody saw torchrun's exit, but every rank said it finished: it ran to the end.
+            if _every_rank_finished(attempt):
+                return Ending(states.SUCCEEDED, exit_code, f"{why}; every rank reported it finished")
         # The ranks' own evidence (a rank killed, an exception) names the cause better when there is some.
         if from_logs is not None and from_logs.rank is not None and kind == WORKER_LOST:
             return Ending(states.FAILED, exit_code, f"{why}\n{from_logs.reason}", from_logs)
         return Ending(states.FAILED, exit_code, why, Failure(kind, why))
     failure = from_logs or Failure("unknown", "")
     return Ending(states.FAILED, exit_code, f"torchrun exited with code {exit_code}\n{failure.reason}", failure)
+
+
+def _every_rank_finished(attempt: Attempt) -> bool:
+    finished = Event.objects.filter(attempt_id=attempt.pk, kind="state", rank__gte=0, payload__state="finished")
+    ranks = set(finished.values_list("rank", flat=True))
+    return ranks == set(range(world_size_of(Attempt.objects.get(pk=attempt.pk).config)))

@@ -17,8 +17,8 @@ from pathlib import Path
 import loom
 
 from . import ENDED, RUNNING, UNKNOWN, LaunchSpec, NodeInfo, Observation
-from .local_supervisor import EXIT_RECORD
-from .process_tree import same_process, signal_pid, started_at
+from .local_supervisor import EXIT_RECORD, TORCHRUN_RECORD
+from .process_tree import live_group_members, same_process, signal_pid, started_at, stop_orphaned_group
 
 # The platform's source root and the repository's, for the supervisor's `python -m` (it imports loom and trainer).
 PLATFORM_ROOT = Path(loom.__file__).resolve().parent.parent
@@ -81,26 +81,47 @@ class LocalBackend:
         nodes = (handle["host"],)
         if same_process(handle["pid"], handle["started_at"]):
             return Observation(RUNNING, nodes=nodes)
-        record = Path(handle["work_dir"]) / EXIT_RECORD
-        try:
-            exit_code = json.loads(record.read_text())["exit_code"]
-        except (OSError, ValueError, KeyError):
-            return Observation(
-                ENDED,
-                backend_failure=("lost", "the attempt's supervisor process ended without recording how torchrun ended"),
-                nodes=nodes,
-            )
-        return Observation(ENDED, exit_code=exit_code, nodes=nodes)
+        work_dir = Path(handle["work_dir"])
+        exit_record = _record(work_dir / EXIT_RECORD)
+        if exit_record is not None:
+            return Observation(ENDED, exit_code=exit_record["exit_code"], nodes=nodes)
+        # The supervisor died before torchrun ended: the attempt runs as long as torchrun's group does.
+        torchrun = _record(work_dir / TORCHRUN_RECORD)
+        if torchrun is not None and _group_alive(torchrun):
+            return Observation(RUNNING, nodes=nodes)
+        why = "the attempt's supervisor process ended without recording how torchrun ended"
+        return Observation(ENDED, backend_failure=("lost", why), nodes=nodes)
 
     def cancel(self, handle: dict, grace_s: float) -> None:
-        if handle.get("pid_namespace") == pid_namespace() and same_process(handle["pid"], handle["started_at"]):
+        if handle.get("pid_namespace") != pid_namespace():
+            return
+        if same_process(handle["pid"], handle["started_at"]):
             signal_pid(handle["pid"], signal.SIGTERM)
+            return
+        # No supervisor to stop torchrun within the grace: stop its group here, the ranks it left too.
+        torchrun = _record(Path(handle["work_dir"]) / TORCHRUN_RECORD)
+        if torchrun is not None and _group_alive(torchrun):
+            threading.Thread(
+                target=stop_orphaned_group, args=(torchrun["pid"], grace_s), name="stop-torchrun", daemon=True
+            ).start()
 
     def nodes(self) -> list[NodeInfo]:
         from loom.runs.hardware import launch_gpus
 
         gpus = launch_gpus() or ()
         return [NodeInfo(name=socket.gethostname(), state="up", cpus=os.cpu_count() or 1, gpus=len(gpus))]
+
+
+def _record(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _group_alive(torchrun: dict) -> bool:
+    """torchrun itself, or any process still in its group (ranks it started and left behind)."""
+    return same_process(torchrun["pid"], torchrun["started_at"]) or bool(live_group_members(torchrun["pid"]))
 
 
 def _reap_later(process: subprocess.Popen) -> None:

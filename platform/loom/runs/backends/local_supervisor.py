@@ -21,11 +21,14 @@ from pathlib import Path
 from trainer.telemetry import TelemetryClient, deliver_spool
 
 from ..failures import classify
-from .process_tree import stop_process_group
+from .process_tree import started_at, stop_process_group
 
 LAUNCHER_RANK = -1
 DELIVERY_DEADLINE_S = 120.0
 EXIT_RECORD = "exit.json"
+# torchrun's pid and start time, written as soon as it runs: should the supervisor itself die (the OOM killer,
+# a stray kill), the backend still follows and stops torchrun's process group by it.
+TORCHRUN_RECORD = "torchrun.json"
 
 
 def report_final_state(reporter: TelemetryClient, number: int, exit_code: int, cancelled: bool, work_dir: Path):
@@ -48,10 +51,11 @@ def report_final_state(reporter: TelemetryClient, number: int, exit_code: int, c
     reporter.emit("state", final)
 
 
-def write_exit_record(work_dir: Path, exit_code: int, cancelled: bool) -> None:
-    partial = work_dir / f".{EXIT_RECORD}.partial"
-    partial.write_text(json.dumps({"exit_code": exit_code, "stopped_by_signal": cancelled}))
-    os.replace(partial, work_dir / EXIT_RECORD)
+def write_record(path: Path, record: dict) -> None:
+    """Whole or not at all: a reader never sees half a record."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(record))
+    os.replace(partial, path)
 
 
 def main(argv: list[str]) -> int:
@@ -77,6 +81,7 @@ def main(argv: list[str]) -> int:
         torchrun = subprocess.Popen(
             command, cwd=work_dir, stdout=launcher_log, stderr=subprocess.STDOUT, start_new_session=True
         )
+    write_record(work_dir / TORCHRUN_RECORD, {"pid": torchrun.pid, "started_at": started_at(torchrun.pid)})
     reporter.emit("state", {"attempt": number, "state": "running", "pid": torchrun.pid})
     while True:
         try:
@@ -89,7 +94,7 @@ def main(argv: list[str]) -> int:
     deliver_spool(work_dir / "spool", url, token, DELIVERY_DEADLINE_S)
     report_final_state(reporter, number, exit_code, stop.is_set(), work_dir)
     reporter.close(DELIVERY_DEADLINE_S)
-    write_exit_record(work_dir, exit_code, stop.is_set())
+    write_record(work_dir / EXIT_RECORD, {"exit_code": exit_code, "stopped_by_signal": stop.is_set()})
     return 0
 
 

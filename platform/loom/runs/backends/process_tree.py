@@ -7,8 +7,11 @@ import subprocess
 import time
 from pathlib import Path
 
-# Indexes into stat_fields(): /proc/<pid>/stat fields 4 (parent pid) and 22 (start time), counted from 3.
+# Indexes into stat_fields(): /proc/<pid>/stat fields 3 (state), 4 (parent pid), 5 (process group) and 22
+# (start time), counted from 3.
+STATE_FIELD = 0
 PARENT_FIELD = 1
+GROUP_FIELD = 2
 START_TIME_FIELD = 19
 
 
@@ -31,7 +34,18 @@ def started_at(pid: int) -> str | None:
 def same_process(pid: int, start: str | None) -> bool:
     """Whether pid still names the process that started at `start` and has not exited (a zombie has)."""
     fields = stat_fields(pid)
-    return start is not None and fields is not None and fields[START_TIME_FIELD] == start and fields[0] != "Z"
+    return start is not None and fields is not None and fields[START_TIME_FIELD] == start and fields[STATE_FIELD] != "Z"
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """The processes of group pgid that have not exited. A zombie still counts for kill(-pgid, 0), and one whose
+    parent died stays a zombie where nothing reaps orphans, so the group is read from /proc instead."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = stat_fields(int(entry.name))
+        if fields is not None and int(fields[GROUP_FIELD]) == pgid and fields[STATE_FIELD] != "Z":
+            members.append(int(entry.name))
+    return members
 
 
 def descendants(pid: int) -> list[int]:
@@ -91,3 +105,17 @@ def stop_process_group(process: subprocess.Popen, grace_s: float) -> int:
         if same_process(pid, start):
             signal_pid(pid, signal.SIGKILL)
     return exit_code
+
+
+def stop_orphaned_group(pgid: int, grace_s: float) -> None:
+    """stop_process_group for a group this process did not start (its supervisor is gone): SIGTERM, then SIGKILL
+    for the group and everything below its leader that is left after grace_s."""
+    tree = [(pid, started_at(pid)) for pid in descendants(pgid)]
+    signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while (group_alive(pgid) or any(same_process(*known) for known in tree)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    signal_group(pgid, signal.SIGKILL)
+    for pid, start in tree:
+        if same_process(pid, start):
+            signal_pid(pid, signal.SIGKILL)
