@@ -8,6 +8,7 @@ reaches double-forked processes too. munged runs on a socket of its own, so a mu
 is neither used nor disturbed. Everything lives in a fresh directory per session and is stopped by the ids
 this module recorded when it started it."""
 
+import fcntl
 import os
 import shutil
 import signal
@@ -33,6 +34,10 @@ MIN_JOB_AGE_S = 300
 STARTUP_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 15
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# One cluster per machine: its addresses, namespace names and cgroups are fixed, so a second test session
+# waits for the first one's cluster to stop.
+LOCK_PATH = Path(tempfile.gettempdir()) / "loom-slurm-cluster.lock"
+LOCK_WAIT_S = 1800
 INSTALL_HINT = "install Slurm and munge as bin/test does: apt-get install -y slurm-wlm munge"
 
 
@@ -127,6 +132,53 @@ def pids_in_network_namespace(inode: int) -> list[int]:
     return sorted(pids)
 
 
+class MachineLock:
+    """An flock on LOCK_PATH for the cluster's whole life. The kernel drops it when its holder dies, so a
+    session that was killed never blocks the next one (which then clears what the dead one left)."""
+
+    def __init__(self, path: Path = LOCK_PATH):
+        self.path = path
+        self.handle = None
+
+    def acquire(self, timeout: float = LOCK_WAIT_S) -> None:
+        handle = open(self.path, "a+")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "unknown"
+                    handle.close()
+                    raise RuntimeError(
+                        f"another test session (pid {holder}) has held this machine's Slurm test cluster for "
+                        f"{timeout:.0f}s ({self.path}); run the Slurm tests when it has finished"
+                    ) from None
+                time.sleep(1)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self.handle = handle
+
+    def release(self) -> None:
+        if self.handle is not None:
+            fcntl.flock(self.handle, fcntl.LOCK_UN)
+            self.handle.close()
+            self.handle = None
+
+
+def remove_leftovers() -> None:
+    """What a session that died without stopping its cluster left: the links, namespaces and cgroups."""
+    for node in NODES:
+        run("ip", "link", "del", veth_of(node), check=False)
+        run("ip", "netns", "del", namespace_of(node), check=False)
+        remove_cgroups(node)
+    run("ip", "link", "del", BRIDGE, check=False)
+
+
 @dataclass
 class SlurmCluster:
     directory: Path
@@ -138,6 +190,7 @@ class SlurmCluster:
     slurmd: dict[str, subprocess.Popen] = field(default_factory=dict)
     namespaces: list[str] = field(default_factory=list)
     bridge_created: bool = False
+    lock: MachineLock = field(default_factory=MachineLock)
 
     @property
     def env(self) -> dict[str, str]:
@@ -227,11 +280,6 @@ class SlurmCluster:
             time.sleep(0.05)
 
     def _create_network(self) -> None:
-        if run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
-            raise RuntimeError(
-                f"bridge {BRIDGE} already exists: another test session's Slurm cluster is running, or one that "
-                f"died left it behind (remove it with `ip link del {BRIDGE}` and `ip netns del loom-nX`)"
-            )
         run("ip", "link", "add", BRIDGE, "type", "bridge")
         self.bridge_created = True
         run("ip", "addr", "add", f"{HOST_ADDRESS}/24", "dev", BRIDGE)
@@ -280,6 +328,11 @@ class SlurmCluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        for node in self.nodes:
+            if namespace_of(node) in self.namespaces:
+                # Deleting the host's end takes the pair at once; the namespace's end alone would go only when
+                # the kernel gets round to freeing the namespace.
+                run("ip", "link", "del", veth_of(node), check=False)
         for namespace in self.namespaces:
             run("ip", "netns", "del", namespace, check=False)
         if self.bridge_created:
@@ -287,6 +340,7 @@ class SlurmCluster:
         for node in self.nodes:
             remove_cgroups(node)
         shutil.rmtree(self.directory, ignore_errors=True)
+        self.lock.release()
 
     def _namespace_pids(self, node: str) -> list[int]:
         try:
@@ -317,12 +371,15 @@ def start_cluster() -> SlurmCluster:
     missing = [command for command in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(command) is None]
     if missing:
         raise RuntimeError(f"{', '.join(missing)} not found: {INSTALL_HINT}")
+    lock = MachineLock()
+    lock.acquire()
     directory = Path(tempfile.mkdtemp(prefix="loom-slurm-"))
     # munged runs as the munge user and must reach its socket directory inside.
     directory.chmod(0o755)
-    cluster = SlurmCluster(directory=directory, conf=directory / "etc" / "slurm.conf")
+    cluster = SlurmCluster(directory=directory, conf=directory / "etc" / "slurm.conf", lock=lock)
     cluster.conf.parent.mkdir()
     try:
+        remove_leftovers()
         cluster.start()
     except BaseException as error:
         logs = {path.name: path.read_text(errors="replace")[-2000:] for path in (directory / "log").glob("*")}
