@@ -119,6 +119,8 @@ def observation_of(job_id: str, job: dict, down_nodes: dict[str, str] | None = N
     if state in WAITING_STATES:
         return Observation(PENDING, pending_reason=job["reason"] if job["reason"] != "None" else "")
     if state in HOLDING_STATES:
+        # A COMPLETING job lists only the nodes it has not released yet (after a node failure, not the failed
+        # one): the attempt's nodes are the union of what it was seen on.
         return Observation(RUNNING, nodes=nodes)
     if state in PROGRAM_ENDS:
         exit_code = job["exit_code"] if state != "COMPLETED" else 0
