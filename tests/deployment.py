@@ -320,20 +320,22 @@ class Deployment:
 
     MONITOR_QUEUE = "loom-monitor"
 
-    def __init__(self, postgres: PrivatePostgres, redis_server: PrivateRedis, **settings: str):
+    def __init__(self, postgres: PrivatePostgres, redis_server: PrivateRedis, host: str = "127.0.0.1", **settings: str):
         self.postgres = postgres
         self.redis = redis_server
         self.home = Path(tempfile.mkdtemp(prefix="loom-deployment-"))
         self.marker = uuid.uuid4().hex
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # Where the ranks reach it: a Slurm node in a namespace of its own reaches the host on the bridge's address.
+        self.host = host
+        self.url = f"http://{host}:{self.port}"
         self.token = ""
         self.environment = self._environment(settings)
         celery = str(VENV_BIN / "celery")
         self.web = Service(
             "web",
             [
-                str(VENV_BIN / "uvicorn"), "loom.asgi:application", "--host", "127.0.0.1", "--port", str(self.port),
+                str(VENV_BIN / "uvicorn"), "loom.asgi:application", "--host", host, "--port", str(self.port),
                 "--no-access-log", "--timeout-graceful-shutdown", "5",
             ],
             self.environment,
