@@ -113,10 +113,14 @@ def runs_dir(settings, tmp_path):
 
 
 @pytest.fixture
-def platform_server(transactional_db, settings, runs_dir):
-    """The web platform alone (pages, API, ingest, websockets), serving the test database."""
-    server = PlatformServer(free_port()).start()
-    settings.LOOM_URL = settings.LOOM_INGEST_URL = server.url
+def platform_server(request, transactional_db, settings, runs_dir):
+    """The web platform alone (pages, API, ingest, websockets), serving the test database; for a test marked
+    `slurm`, where the Slurm test cluster's nodes reach it, launching onto that cluster."""
+    if request.node.get_closest_marker("slurm"):
+        server = serve_for_slurm(settings, request.getfixturevalue("slurm_cluster"))
+    else:
+        server = PlatformServer(free_port()).start()
+        settings.LOOM_URL = settings.LOOM_INGEST_URL = server.url
     try:
         yield server
     finally:
@@ -153,7 +157,7 @@ class ReconcilerLoop:
 def serve_for_slurm(settings, cluster) -> PlatformServer:
     """The platform where the cluster's nodes reach it (the bridge's address: inside their namespaces the host's
     loopback is not theirs), launching onto the cluster with two ranks per node. For a test module's own
-    `platform_server` fixture; the caller stops it."""
+    platform_server; the caller stops it."""
     settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, cluster.host_address]
     server = PlatformServer(free_port(), host=cluster.host_address).start()
     settings.LOOM_URL = settings.LOOM_INGEST_URL = server.url

@@ -7,7 +7,7 @@ import pytest
 from loom.runs import states
 from loom.runs.models import Attempt, Run
 from loom.telemetry.models import RankStatus
-from tests.conftest import serve_for_slurm, wait_for
+from tests.conftest import wait_for
 
 from .helpers import TINY_CONFIG
 from .test_launch import api, metric_steps
@@ -17,15 +17,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 # Two nodes of two ranks: tensor parallel inside a node, data parallel across the two.
 TWO_NODES = {**TINY_CONFIG, "steps": 12, "parallel": {"dp_replicate": 2, "tp": 2}}
 CHECKPOINTED = {**TWO_NODES, "steps": 40, "checkpoint": {"interval_steps": 5}}
-
-
-@pytest.fixture
-def platform_server(transactional_db, settings, runs_dir, slurm_cluster):
-    server = serve_for_slurm(settings, slurm_cluster)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def finished(run_id: int, timeout: float = 300) -> Run:
