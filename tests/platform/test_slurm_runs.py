@@ -128,3 +128,26 @@ def test_a_node_that_loses_its_link_fails_the_attempt_and_the_restart_runs_on_th
         assert second.restored_from is not None and second.restored_from.step >= 5
     finally:
         slurm_cluster.link_up(lost)
+
+
+def test_a_run_waiting_for_nodes_shows_the_schedulers_reason_and_starts_when_they_free(
+    live_platform, platform_user, token_for
+):
+    token = token_for(platform_user[0])
+    first = api(f"{live_platform.url}/api/runs", token, "POST", {"name": "holds two nodes", "config": CHECKPOINTED})
+    wait_for(lambda: 2 in metric_steps(Run.objects.get(pk=first["id"]), 3), timeout=180, message="the first run")
+    # Two of the three nodes are taken: a second two-node job waits for resources.
+    second = api(f"{live_platform.url}/api/runs", token, "POST", {"name": "waits", "config": TWO_NODES})
+    waiting = wait_for(
+        lambda: next(
+            (a for a in api(f"{live_platform.url}/api/runs/{second['id']}", token)["attempts"] if a["pending_reason"]),
+            None,
+        ),
+        timeout=60,
+        message="the second run's pending reason",
+    )
+    assert (waiting["state"], waiting["pending_reason"], waiting["nodes"]) == (states.STARTING, "Resources", [])
+    assert finished(first["id"]).state == states.SUCCEEDED
+    second_run = finished(second["id"])
+    (attempt,) = api(f"{live_platform.url}/api/runs/{second['id']}", token)["attempts"]
+    assert second_run.state == states.SUCCEEDED and attempt["pending_reason"] == "" and len(attempt["nodes"]) == 2
