@@ -253,6 +253,8 @@ class SlurmBackend:
         (work_dir / "logs").mkdir(parents=True, exist_ok=True)
         (work_dir / "node.sh").write_text(node_script(spec))
         script = work_dir / "job.sbatch"
+        # It holds the attempt's token: readable by the user loom runs as only (sbatch reads it as that user).
+        script.touch(mode=0o600)
         script.write_text(batch_script(spec, settings.LOOM_SLURM_PARTITION, settings.LOOM_SLURM_ACCOUNT))
         output = self._slurm("sbatch", "--parsable", str(script), cwd=work_dir).stdout.strip()
         # --parsable prints "<id>" or "<id>;<cluster>".
