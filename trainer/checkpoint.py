@@ -55,7 +55,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from trainer import faults
 from trainer.config import ModelConfig, RunConfig
-from trainer.telemetry import PlatformUnreachable, TelemetryClient
+from trainer.telemetry import Pins, PlatformUnreachable, TelemetryClient
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -234,17 +234,27 @@ def steps_to_delete(
     return sorted(set(steps) - newest - milestones - (set(pinned) & set(lineage)))
 
 
-def pinned_among(candidates: dict[int, Path], ask: Callable[[], dict[str, list[str]]]) -> dict[int, str]:
+def pinned_among(candidates: dict[int, Path], ask: Callable[[], Pins], steps: list[int]) -> dict[int, str]:
     """Which of the checkpoints retention would delete (by step) are pinned, with why, given `ask` for the
-    pinned paths (TelemetryClient.pinned_checkpoints). When the platform cannot say, any of them might be
-    pinned: all are kept until it can."""
+    platform's pins (TelemetryClient.pinned_checkpoints) and every committed step. When the platform cannot say,
+    any of them might be pinned: all are kept until it can. A checkpoint is also kept while the platform's alerts
+    have not judged every step up to the next checkpoint: an alert at one of those steps would pin it."""
     if not candidates:
         return {}
     try:
-        pinned = ask()
+        pins = ask()
     except PlatformUnreachable as error:
         return dict.fromkeys(candidates, f"the platform could not say whether it is pinned ({error})")
-    return {step: "; ".join(pinned[str(path)]) for step, path in candidates.items() if str(path) in pinned}
+    kept = {step: "; ".join(pins.paths[str(path)]) for step, path in candidates.items() if str(path) in pins.paths}
+    if pins.judged_through is not None:
+        for step in candidates.keys() - kept.keys():
+            following = min((later for later in steps if later > step), default=None)
+            if following is not None and following > pins.judged_through:
+                kept[step] = (
+                    f"the platform's alerts have judged steps only to {pins.judged_through}; one at steps "
+                    f"{step + 1}–{following} would restore from it"
+                )
+    return kept
 
 
 # Model and optimizer state under full parameter names.
@@ -683,7 +693,7 @@ class Checkpointer:
         settings = self.settings
         due = steps_to_delete(list(by_step), committed_step, settings.keep_last, settings.keep_every)
         candidates = {step: by_step[step] for step in due if step <= committed_step}
-        kept = pinned_among(candidates, self.telemetry.pinned_checkpoints)
+        kept = pinned_among(candidates, self.telemetry.pinned_checkpoints, list(by_step))
         for step, why in kept.items():
             self._report_kept(step, by_step[step], why)
         pinned = frozenset(kept)

@@ -26,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,18 @@ class PlatformUnreachable(Exception):
     """The platform could not answer a question the trainer asked it; the message says why."""
 
 
-def fetch_pinned(url: str, token: str, timeout_s: float) -> dict[str, list[str]]:
-    """The run's pinned checkpoints, by path, with why each is pinned."""
+@dataclass(frozen=True)
+class Pins:
+    """What the platform says retention must keep: the run's pinned checkpoints (path → why), and the last step
+    its alerts have judged (None: it judges none, alerts are off or there is no platform). An alert yet to open
+    for a later step would pin the checkpoint before that step, so those are kept until it has judged them."""
+
+    paths: dict[str, list[str]]
+    judged_through: int | None = None
+
+
+def fetch_pinned(url: str, token: str, timeout_s: float) -> Pins:
+    """The run's pinned checkpoints, by path, with why each is pinned, and how far its alerts have judged."""
     request = urllib.request.Request(
         f"{url.rstrip('/')}/api/checkpoints/pinned",
         headers={"Accept": "application/json", "Authorization": f"Bearer {token}"},
@@ -134,7 +145,8 @@ def fetch_pinned(url: str, token: str, timeout_s: float) -> dict[str, list[str]]
     pinned = answer.get("pinned") if isinstance(answer, dict) else None
     if not isinstance(pinned, dict):
         raise PlatformUnreachable(f"{request.full_url} answered without a map of pinned checkpoints")
-    return pinned
+    judged_through = answer.get("judged_through")
+    return Pins(pinned, judged_through if isinstance(judged_through, int) else None)
 
 
 def backoff_delay(failures: int) -> float:
@@ -279,11 +291,11 @@ class TelemetryClient:
             self._wake.set()
         return True
 
-    def pinned_checkpoints(self, timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, list[str]]:
+    def pinned_checkpoints(self, timeout_s: float = REQUEST_TIMEOUT_S) -> Pins:
         """The run's checkpoints that retention must keep, by path, with why, as the platform says now;
         none without a platform (offline). PlatformUnreachable when it cannot be asked."""
         if self.url is None:
-            return {}
+            return Pins({})
         return fetch_pinned(self.url, self._token, timeout_s)
 
     def close(self, timeout_s: float) -> int:

@@ -12,6 +12,7 @@ from loom.runs import states
 from loom.runs.lifecycle import restarts_in_a_row
 from loom.runs.models import Attempt, Run
 
+from ..conftest import wait_for
 from .helpers import TINY_CONFIG, BatchSender, checkpoint_event, claimed_run
 
 pytestmark = pytest.mark.django_db
@@ -424,7 +425,8 @@ def test_a_live_alert_pins_the_checkpoint_triage_offers_until_it_is_resolved(pla
         "/a2/step-000090": [f"pinned by alert #{straggler.pk} (straggler at step 95)", "pinned by ada"],
     }
     answer = client.get("/api/checkpoints/pinned", HTTP_AUTHORIZATION=f"Bearer {token}")
-    assert answer.status_code == 200 and answer.json() == {"pinned": by_path}
+    # No metric judged yet: retention must wait for every step.
+    assert answer.status_code == 200 and answer.json() == {"pinned": by_path, "judged_through": 0}
     assert client.get("/api/checkpoints/pinned", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
     # Unpinning takes back the person's pin only; resolving an alert takes back its own.
     assert services.unpin(platform_user[0], run, run.checkpoints.get(step=90).pk).pins == [
@@ -432,3 +434,22 @@ def test_a_live_alert_pins_the_checkpoint_triage_offers_until_it_is_resolved(pla
     ]
     resolve(loss_spike, platform_user[0])
     assert services.pinned_paths(run) == {"/a2/step-000090": [by_path["/a2/step-000090"][0]]}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_pins_answer_says_how_far_the_alerts_have_judged_and_nothing_when_they_are_off(platform_user, client):
+    from loom.alerts.watch import Watcher
+
+    run, attempt, token = claimed_run(platform_user[0])
+    Ranks(attempt).send(0, *(metric(step, 100.0 + step) for step in (1, 2, 3)))
+    Watcher(0.01).notice([(attempt.pk, 0, 3, {"loss": 1.0})])
+    wait_for(
+        lambda: Attempt.objects.get(pk=attempt.pk).alerts_judged_through == 3, timeout=30, message="a watcher pass"
+    )
+    answer = client.get("/api/checkpoints/pinned", HTTP_AUTHORIZATION=f"Bearer {token}").json()
+    assert answer == {"pinned": {}, "judged_through": 3}
+    _, quiet, quiet_token = claimed_run(
+        platform_user[0], name="quiet", config={**TINY_CONFIG, "alerts": {"enabled": False}}
+    )
+    answer = client.get("/api/checkpoints/pinned", HTTP_AUTHORIZATION=f"Bearer {quiet_token}").json()
+    assert answer == {"pinned": {}, "judged_through": None}

@@ -33,7 +33,7 @@ from trainer.checkpoint import (
     without_stage_number,
 )
 from trainer.config import ConfigError, parse_config
-from trainer.telemetry import TelemetryClient
+from trainer.telemetry import Pins, TelemetryClient
 
 from .torchrun import FinishedRun, kill_trainer, run_trainer, start_trainer, started_run_result, wait_for_output
 
@@ -225,22 +225,27 @@ def test_retention_keeps_what_the_platform_pinned_and_everything_when_it_cannot_
     candidates = {step: tmp_path / f"step-{step:06d}" for step in (40, 50)}
     pinned = {str(candidates[50]): ["pinned by alert #12 (loss spike at step 70)", "pinned by ada"]}
     both = "pinned by alert #12 (loss spike at step 70); pinned by ada"
-    assert pinned_among(candidates, lambda: pinned) == {50: both}
-    assert pinned_among({}, lambda: pinned) == {}
+    assert pinned_among(candidates, lambda: Pins(pinned), [40, 50, 60]) == {50: both}
+    assert pinned_among({}, lambda: Pins(pinned), [60]) == {}
+    # The alerts have judged to step 55: one at 56-60 would restore from 50, so 50 stays too; 40 may go.
+    assert pinned_among(candidates, lambda: Pins({}, judged_through=55), [40, 50, 60]) == {
+        50: "the platform's alerts have judged steps only to 55; one at steps 51–60 would restore from it"
+    }
+    assert pinned_among(candidates, lambda: Pins({}, judged_through=60), [40, 50, 60]) == {}
     # Nothing listens on the port any more: the platform cannot be asked, so nothing may go.
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     client = TelemetryClient(url, "token", 7, 0, tmp_path / "spool", flush_interval_s=1.0, heartbeat_interval_s=None)
     try:
-        kept = pinned_among(candidates, client.pinned_checkpoints)
+        kept = pinned_among(candidates, client.pinned_checkpoints, [40, 50, 60])
     finally:
         client.close(0.0)
     assert set(kept) == {40, 50}
     assert all(why.startswith("the platform could not say whether it is pinned (") for why in kept.values())
     assert url in kept[40] and "Connection refused" in kept[40]
     offline = TelemetryClient(None, None, None, 0, tmp_path / "offline", 1.0, None)
-    assert pinned_among(candidates, offline.pinned_checkpoints) == {}
+    assert pinned_among(candidates, offline.pinned_checkpoints, [40, 50, 60]) == {}
     offline.close(0.0)
 
 

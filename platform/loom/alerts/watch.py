@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import F
+from django.db.models.functions import Coalesce, Greatest
 
 from loom.runs.models import Attempt
 
@@ -97,6 +99,11 @@ class Watcher:
                 log.exception("judging attempt %s failed", attempt_id)
                 connection.close()
                 continue
+            if result.judged_through > self._judged_through.get(attempt_id, 0):
+                # Kept where the trainer's retention asks (GET /api/checkpoints/pinned); the greatest wins, as
+                # several web processes may judge one attempt.
+                judged = Greatest(Coalesce(F("alerts_judged_through"), 0), result.judged_through)
+                Attempt.objects.filter(pk=attempt_id).update(alerts_judged_through=judged)
             self._judged_through[attempt_id] = result.judged_through
             self._report(attempt, result)
 

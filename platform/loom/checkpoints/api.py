@@ -5,9 +5,10 @@ from django.http import JsonResponse
 from ninja import Router, Schema, Status
 
 from loom.runs import services as run_services
-from loom.runs.models import Run
+from loom.runs.models import Attempt, Run
 from loom.telemetry.ingest import bearer
 from loom.telemetry.services import IngestRejected, attempt_for_token
+from trainer.config import AlertsConfig
 
 from . import services
 from .resilience import resilience
@@ -102,13 +103,17 @@ def unpin_checkpoint(request, run_id: int, checkpoint_id: int):
 
 @router.get("/checkpoints/pinned", auth=None, openapi_extra={"security": [{"AttemptToken": []}]})
 def pinned_checkpoints(request):
-    """For a running attempt's retention, with the attempt's own token: its run's pinned checkpoints,
-    {"pinned": {path: [why, …]}}. 401 for an unknown token."""
+    """For a running attempt's retention, with the attempt's own token: its run's pinned checkpoints and the
+    last step its alerts have judged (null when its alerts are off: nothing to wait for),
+    {"pinned": {path: [why, …]}, "judged_through": n}. 401 for an unknown token."""
     try:
-        attempt = attempt_for_token(bearer(request.headers.get("Authorization", "")))
+        ref = attempt_for_token(bearer(request.headers.get("Authorization", "")))
     except IngestRejected as rejected:
         return JsonResponse({"detail": rejected.message}, status=rejected.status)
-    return {"pinned": services.pinned_paths(Run.objects.get(pk=attempt.run_id))}
+    attempt = Attempt.objects.get(pk=ref.attempt_id)
+    alerts_on = AlertsConfig.model_validate(attempt.config.get("alerts", {})).enabled
+    judged_through = (attempt.alerts_judged_through or 0) if alerts_on else None
+    return {"pinned": services.pinned_paths(Run.objects.get(pk=ref.run_id)), "judged_through": judged_through}
 
 
 @router.get("/runs/{run_id}/lineage")

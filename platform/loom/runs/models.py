@@ -79,6 +79,9 @@ class Attempt(models.Model):
     # When its launch message was last handed to the broker: the reconciler sends it again when a queued
     # attempt waited too long (the broker was down when it was created, or the message was lost).
     launch_sent_at = models.DateTimeField(null=True, blank=True)
+    # The last step the alert watcher has judged (loom.alerts.watch): the trainer's retention keeps a checkpoint
+    # until the steps up to the next one are judged, since an alert there would pin it.
+    alerts_judged_through = models.BigIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
