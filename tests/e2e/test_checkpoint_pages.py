@@ -165,7 +165,7 @@ def test_run_page_shows_attempts_checkpoints_and_resilience_of_a_restarted_run(h
     expect(second.locator(".attempt-state")).to_have_text("succeeded")
 
     # One trace per attempt; the restart's starts at the step after its checkpoint.
-    page.wait_for_function("document.getElementById('loss-chart').data.length === 2")
+    page.wait_for_function("(document.getElementById('loss-chart').data || []).length === 2")
     assert trace_names(page, "loss-chart") == ["attempt 1", "attempt 2"]
     series = page.evaluate("window.loomRun.series")
     assert [step for step, _ in series["loss"]["1"]] == list(range(1, 8))
