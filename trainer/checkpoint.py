@@ -234,6 +234,13 @@ def steps_to_delete(
     return sorted(set(steps) - newest - milestones - (set(pinned) & set(lineage)))
 
 
+AWAITING_JUDGEMENT = "the platform's alerts have judged steps only to"
+# How long the end of training waits for the platform to judge its last steps, so that retention can delete what
+# it held for them; past it, those checkpoints stay on disk (the run is over either way).
+FINAL_JUDGEMENT_WAIT_S = 30.0
+JUDGEMENT_POLL_S = 0.5
+
+
 def pinned_among(candidates: dict[int, Path], ask: Callable[[], Pins], steps: list[int]) -> dict[int, str]:
     """Which of the checkpoints retention would delete (by step) are pinned, with why, given `ask` for the
     platform's pins (TelemetryClient.pinned_checkpoints) and every committed step. When the platform cannot say,
@@ -251,8 +258,8 @@ def pinned_among(candidates: dict[int, Path], ask: Callable[[], Pins], steps: li
             following = min((later for later in steps if later > step), default=None)
             if following is not None and following > pins.judged_through:
                 kept[step] = (
-                    f"the platform's alerts have judged steps only to {pins.judged_through}; one at steps "
-                    f"{step + 1}–{following} would restore from it"
+                    f"{AWAITING_JUDGEMENT} {pins.judged_through}; one at steps {step + 1}–{following} would restore "
+                    "from it"
                 )
     return kept
 
@@ -395,6 +402,8 @@ class Checkpointer:
         # with the training step's collectives; gloo, because async saves need a CPU group.
         self.group = dist.new_group(backend="gloo")
         self.is_committer = dist.get_rank() == 0
+        # The newest step this process committed (rank 0 only): retention runs only after a commit of its own.
+        self.committed_step: int | None = None
         self.nonce = self._shared_nonce()
         cuda = device.type == "cuda"
         # Staged copies are cached and reused by the next save, which waits for this one first. The copy
@@ -572,6 +581,15 @@ class Checkpointer:
         if self.settings.saves and loss is not None and self.last_saved_step != last_step:
             self.save(last_step, loss)
         self.wait()
+        if self.committed_step is not None:
+            self._settle_retention(self.committed_step)
+
+    def _settle_retention(self, committed_step: int) -> None:
+        """Retention once more as the platform judges the last steps: a checkpoint held until then goes (or is
+        pinned by an alert) instead of outliving keep_last because the run ended first."""
+        deadline = time.monotonic() + FINAL_JUDGEMENT_WAIT_S
+        while self._retire_old(committed_step) and time.monotonic() < deadline:
+            time.sleep(JUDGEMENT_POLL_S)
 
     def before_update(self) -> None:
         """Call before the optimizer changes the state: waits for the pending save's copy to host memory,
@@ -686,9 +704,12 @@ class Checkpointer:
         }
         self.telemetry.emit("checkpoint", payload, step=pending.step)
         faults.corrupt_checkpoint(self.config.faults, pending.step, pending.final)
+        self.committed_step = pending.step
         self._retire_old(pending.step)
 
-    def _retire_old(self, committed_step: int) -> None:
+    def _retire_old(self, committed_step: int) -> bool:
+        """Delete what retention lets go once committed_step is committed; True when a checkpoint is held only
+        until the platform's alerts have judged the steps after it."""
         by_step = {step_of(path): path for path in committed_checkpoints(self.root)}
         settings = self.settings
         due = steps_to_delete(list(by_step), committed_step, settings.keep_last, settings.keep_every)
@@ -710,6 +731,7 @@ class Checkpointer:
             )
             logger.info("deleted checkpoint %s (%s)", path, reason)
             self.telemetry.emit("checkpoint", {"state": "deleted", "step": step, "path": str(path)}, step=step)
+        return any(why.startswith(AWAITING_JUDGEMENT) for why in kept.values())
 
     def _report_kept(self, step: int, path: Path, why: str) -> None:
         """Once per checkpoint and reason: every later retention pass keeps it for the same reason."""
