@@ -21,9 +21,9 @@ from loom.telemetry.services import LAUNCHER_RANK, record_platform_event
 from . import restart_policy, states
 from .backends import backend_named
 from .failures import NODE_FAILURE, Failure
-from .models import Attempt, Run
+from .models import Attempt
 from .nodes import BackendUnavailable, exclude_node, failures_on, reported_nodes
-from .services import move_attempt, queue_attempt
+from .services import locked_attempt, move_attempt, queue_attempt
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def end_attempt(attempt_id: int, ending: Ending, *, record_event: bool = True) -
     can have; a failure raises the exit alert and goes to the restart policy. `record_event` is False when
     the end arrived as a stored state event already."""
     with transaction.atomic():
-        attempt = _locked(attempt_id)
+        attempt = locked_attempt(attempt_id)
         if attempt.state in states.TERMINAL:
             return False
         failure = ending.failure
@@ -141,14 +141,6 @@ def _judge_failed_nodes(attempt: Attempt) -> list[str]:
             )
             exclude_node(backend, name, reason)
     return failed
-
-
-def _locked(attempt_id: int) -> Attempt:
-    """The attempt under a row lock, its run's row locked first: every writer of a run's events takes the run's
-    row (the seq counter) before its attempt's, so two writers never wait on each other in opposite orders."""
-    run_id = Attempt.objects.values_list("run_id", flat=True).get(pk=attempt_id)
-    Run.objects.select_for_update().filter(pk=run_id).exists()
-    return Attempt.objects.select_for_update().select_related("run").get(pk=attempt_id)
 
 
 def restart_after_failure(attempt: Attempt, avoid_nodes: list[str] = ()) -> Attempt | None:
@@ -206,7 +198,7 @@ def mark_running(attempt_id: int, nodes: list[str]) -> bool:
     and a pending reason cleared. False when it had ended meanwhile. The nodes only grow: a job that lost a
     node is still listed on it (Slurm drops a failed node from a job's list), so its failure can be placed."""
     with transaction.atomic():
-        attempt = _locked(attempt_id)
+        attempt = locked_attempt(attempt_id)
         if attempt.state in states.TERMINAL:
             return False
         nodes = [*attempt.nodes, *(node for node in nodes if node not in attempt.nodes)]
@@ -222,7 +214,7 @@ def note_pending(attempt_id: int, reason: str) -> None:
     """The backend holds the attempt back for `reason` (Slurm's Resources, Priority): kept on the attempt and
     told to its pages as a state event that keeps the state."""
     with transaction.atomic():
-        attempt = _locked(attempt_id)
+        attempt = locked_attempt(attempt_id)
         if attempt.state in states.TERMINAL or attempt.pending_reason == reason:
             return
         Attempt.objects.filter(pk=attempt.pk).update(pending_reason=reason)

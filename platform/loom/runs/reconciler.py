@@ -149,4 +149,4 @@ def ending_of(attempt: Attempt, observation: Observation) -> Ending:
 def _every_rank_finished(attempt: Attempt) -> bool:
     finished = Event.objects.filter(attempt_id=attempt.pk, kind="state", rank__gte=0, payload__state="finished")
     ranks = set(finished.values_list("rank", flat=True))
-    return ranks == set(range(world_size_of(Attempt.objects.get(pk=attempt.pk).config)))
+    return ranks == set(range(world_size_of(attempt.config)))

@@ -123,9 +123,7 @@ def cancel_run(run: Run) -> Run:
     from loom.telemetry.services import record_platform_event
 
     with transaction.atomic():
-        # The run's row first, as every writer of its events takes it (lifecycle._locked).
-        Run.objects.select_for_update().filter(pk=run.pk).exists()
-        attempt = Attempt.objects.select_for_update().get(pk=latest_attempt(run).pk)
+        attempt = locked_attempt(latest_attempt(run).pk)
         if attempt.state in states.TERMINAL:
             raise RunConflict(f"run already {attempt.state}")
         if attempt.state == states.CANCELLING:
@@ -140,6 +138,15 @@ def cancel_run(run: Run) -> Run:
             transaction.on_commit(lambda: current_app.send_task(CANCEL_TASK, args=[attempt.pk]), robust=True)
     run.refresh_from_db()
     return run
+
+
+def locked_attempt(attempt_id: int) -> Attempt:
+    """The attempt under a row lock, its run's row locked first: every writer of a run's events takes the run's
+    row (the seq counter) before its attempt's, so two writers never wait on each other in opposite orders.
+    Call inside a transaction."""
+    run_id = Attempt.objects.values_list("run_id", flat=True).get(pk=attempt_id)
+    Run.objects.select_for_update().filter(pk=run_id).exists()
+    return Attempt.objects.select_for_update().select_related("run").get(pk=attempt_id)
 
 
 def move_attempt(

@@ -14,6 +14,8 @@ import sys
 import threading
 from pathlib import Path
 
+from django.conf import settings
+
 import loom
 
 from . import ENDED, RUNNING, UNKNOWN, LaunchSpec, NodeInfo, Observation
@@ -37,13 +39,9 @@ class LocalBackend:
     @property
     def max_active(self) -> int:
         """Attempts this host runs at once: one machine has no scheduler to queue the rest."""
-        from django.conf import settings
-
         return settings.LOOM_LOCAL_MAX_ATTEMPTS
 
     def submit(self, spec: LaunchSpec) -> dict:
-        from django.conf import settings
-
         world_size = spec.nodes * spec.ranks_per_node
         torchrun = [
             sys.executable, "-m", "torch.distributed.run",
