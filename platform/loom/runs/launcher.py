@@ -2,7 +2,8 @@
 
 The launch task returns once the backend has the attempt; from then on the backend runs it and the reconciler
 (reconciler.py) follows it to its end, so no run depends on the worker that launched it staying alive. The
-launcher reports STARTING through the ingest API as rank -1, the path the ranks use.
+claim records STARTING in the transaction that takes the attempt, so the event exists exactly when the claim
+does, whatever becomes of the worker or the ingest API afterwards.
 """
 
 import json
@@ -14,8 +15,8 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from loom.accounts.tokens import hash_token, mint_token
+from loom.telemetry.services import record_platform_event
 from trainer.config import world_size_of
-from trainer.telemetry import TelemetryClient
 
 from . import states
 from .backends import Backend, LaunchSpec, current_backend
@@ -28,8 +29,6 @@ from .services import mirror_on_run
 
 log = logging.getLogger(__name__)
 
-LAUNCHER_RANK = -1
-STARTING_DELIVERY_S = 10.0
 # The advisory lock's first key: loom's claims, whatever else takes advisory locks on the database.
 CLAIM_LOCK = 0x6C6F6F6D
 
@@ -56,10 +55,11 @@ def claim_attempt(attempt_id: int, backend: Backend | None = None) -> tuple[Atte
         claimed = Attempt.objects.filter(pk=attempt_id, state=states.QUEUED, token_hash="").update(
             state=states.STARTING, token_hash=hash_token(token), backend=backend.name if backend else ""
         )
-    if not claimed:
-        return None
-    attempt = Attempt.objects.select_related("run").get(pk=attempt_id)
-    mirror_on_run(attempt)
+        if not claimed:
+            return None
+        attempt = Attempt.objects.select_related("run").get(pk=attempt_id)
+        mirror_on_run(attempt)
+        record_platform_event(attempt.run, attempt, "state", {"attempt": attempt.number, "state": states.STARTING})
     return attempt, token
 
 
@@ -98,7 +98,6 @@ def launch(attempt_id: int) -> str:
     config_path = work_dir / "config.json"
     config_path.write_text(json.dumps(attempt.config, indent=2))
     Attempt.objects.filter(pk=attempt.pk).update(work_dir=str(work_dir))
-    _report_starting(attempt, token, work_dir)
     try:
         spec = launch_spec(attempt, token, work_dir, config_path, backend)
         handle = backend.submit(spec)
@@ -111,22 +110,6 @@ def launch(attempt_id: int) -> str:
     if retrying(lambda: Attempt.objects.filter(pk=attempt.pk, cancel_requested=True).exists()):
         backend.cancel(handle, settings.LOOM_CANCEL_GRACE_S)
     return "submitted"
-
-
-def _report_starting(attempt: Attempt, token: str, work_dir: Path) -> None:
-    reporter = TelemetryClient(
-        url=settings.LOOM_INGEST_URL,
-        token=token,
-        attempt=attempt.pk,
-        rank=LAUNCHER_RANK,
-        spool_dir=work_dir / "launcher-spool",
-        flush_interval_s=0.1,
-        heartbeat_interval_s=None,
-    )
-    reporter.emit("state", {"attempt": attempt.number, "state": states.STARTING})
-    # What is not delivered by then stays spooled; the supervisor's reporter, which numbers its batches after
-    # these, sends it.
-    reporter.close(STARTING_DELIVERY_S)
 
 
 def launch_spec(attempt: Attempt, token: str, work_dir: Path, config_path: Path, backend: Backend) -> LaunchSpec:
