@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -57,6 +58,8 @@ class Platform:
         self.url = f"http://127.0.0.1:{self.port}"
         inherited = {key: value for key, value in os.environ.items() if key not in ("DATABASE_URL", "REDIS_URL")}
         self.env = {**inherited, "LOOM_HOME": str(home), "LOOM_URL": self.url, "PYTHONUNBUFFERED": "1"}
+        # DEBUG is off, as in a deployment: the platform needs a secret key of its own.
+        self.env["LOOM_SECRET_KEY"] = secrets.token_urlsafe(50)
         self.home = home
         self.processes: list[subprocess.Popen] = []
 

@@ -374,6 +374,10 @@ class Deployment:
             "LOOM_MONITOR_QUEUE": self.MONITOR_QUEUE,
             "LOOM_CANCEL_GRACE_S": "5",
             "LOOM_LAUNCH_GPUS": "none",
+            # A deployment has a secret key of its own (DEBUG is off: without one the platform does not start).
+            "LOOM_SECRET_KEY": f"loom-test-deployment-{self.marker}",
+            # The ranks get only the environment they need; the marker must reach them for processes() to find them.
+            "LOOM_RANK_ENV": MARKER_VARIABLE,
             "PYTHONUNBUFFERED": "1",
             # As manage.py and pytest put them: this checkout's sources, whatever the virtualenv installed.
             "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "platform"), str(REPO_ROOT)]),

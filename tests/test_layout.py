@@ -19,7 +19,7 @@ def test_stdlib_platform_works_in_a_process_started_like_the_platform():
     result = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
-        env={"PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}", "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}", "PATH": "/usr/bin:/bin", "LOOM_DEBUG": "1"},
         capture_output=True,
         text=True,
         timeout=60,

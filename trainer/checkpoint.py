@@ -201,6 +201,19 @@ def committed_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
+def written_by(path: Path, run_id: str | None, attempt: int | None) -> bool:
+    """Whether the committed checkpoint at `path` is one that this run's attempt wrote: a directory of its own
+    (not a link to one elsewhere) whose manifest names the same run and attempt. Without the platform both are
+    null, so the trainer run by hand retires what earlier runs by hand left in its directory."""
+    if path.is_symlink():
+        return False
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and (manifest.get("run_id"), manifest.get("attempt")) == (run_id, attempt)
+
+
 def holds_checkpoints(path: Path) -> bool:
     """Whether `resume` names a directory of checkpoints rather than one checkpoint: a directory that is
     not itself a checkpoint (no manifest, no step-NNNNNN name) is searched like "latest" searches its own."""
@@ -709,8 +722,13 @@ class Checkpointer:
 
     def _retire_old(self, committed_step: int) -> bool:
         """Delete what retention lets go once committed_step is committed; True when a checkpoint is held only
-        until the platform's alerts have judged the steps after it."""
-        by_step = {step_of(path): path for path in committed_checkpoints(self.root)}
+        until the platform's alerts have judged the steps after it. Only checkpoints this attempt wrote count:
+        one it resumed from, or another run's in the same directory, is never deleted (nor counted)."""
+        by_step = {
+            step_of(path): path
+            for path in committed_checkpoints(self.root)
+            if written_by(path, self.run_id, self.attempt)
+        }
         settings = self.settings
         due = steps_to_delete(list(by_step), committed_step, settings.keep_last, settings.keep_every)
         candidates = {step: by_step[step] for step in due if step <= committed_step}

@@ -5,6 +5,7 @@ Pure pydantic, no torch: the platform imports this module to validate what users
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -14,7 +15,17 @@ BYTE_VOCAB = 256
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Strict: "5" or true is no step count, and a bool no learning rate (an int for a float is fine);
+    # infinities and NaN are no setting's meaning; an unknown field is a typo, never ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        # Paths and names go to the file system and PostgreSQL, which both refuse NUL.
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("must not contain a NUL character")
+        return value
 
 
 ROPE_BASE = 10_000.0
@@ -146,6 +157,14 @@ class ParallelConfig(_Section):
         "auto", description="Collective backend; auto picks NCCL on CUDA and gloo on CPU."
     )
 
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage_not_bool(cls, stage: Any) -> Any:
+        # A Literal of ints compares by equality, so true would pass as stage 1.
+        if isinstance(stage, bool):
+            raise ValueError("must be 0, 1, 2, 3 or null, not a boolean")
+        return stage
+
     @property
     def sharding_ranks(self) -> int:
         """Ranks that share one copy of the sharded state: FSDP shards over dp_shard × cp."""
@@ -244,6 +263,14 @@ class DataConfig(_Section):
         ),
     )
 
+    @field_validator("skip_steps", mode="before")
+    @classmethod
+    def _ranges_from_json(cls, ranges: Any) -> Any:
+        # JSON has no tuples: a stored or posted range is a list, which strict validation takes as a tuple only here.
+        if isinstance(ranges, list):
+            return [tuple(pair) if isinstance(pair, list) else pair for pair in ranges]
+        return ranges
+
     @field_validator("skip_steps")
     @classmethod
     def _ranges_run_forward(cls, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -270,7 +297,11 @@ class CheckpointConfig(_Section):
     directory: str | None = Field(
         None,
         min_length=1,
-        description="Where checkpoints live; null: $LOOM_CHECKPOINT_DIR, else `checkpoints` in the working directory.",
+        description=(
+            "Where checkpoints live; null: $LOOM_CHECKPOINT_DIR, else `checkpoints` in the working directory. "
+            "For the trainer run on its own only: the platform refuses a config that sets it and places each "
+            "attempt's checkpoints in a directory of its own."
+        ),
     )
     resume: str | None = Field(
         None,
@@ -279,7 +310,9 @@ class CheckpointConfig(_Section):
             'null: start fresh; "latest": the newest committed checkpoint in the directory that verifies '
             "(falling back past corrupt ones; fresh when there is none); the path of one checkpoint (step-NNNNNN); "
             "or the path of a directory of checkpoints (such as another attempt's directory): the newest one there "
-            "that verifies, falling back past corrupt ones, and an error when none does."
+            "that verifies, falling back past corrupt ones, and an error when none does. Paths are for the trainer "
+            'run on its own: through the platform, resume is "latest" or names a committed checkpoint of your own, '
+            '"checkpoint:<id>" or "run:<id>/step:<n>", which the platform turns into its path.'
         ),
     )
     async_save: bool = Field(
@@ -558,6 +591,24 @@ class ConfigError(ValueError):
         super().__init__("; ".join(f"{field}: {message}" for field, message in errors.items()))
 
 
+# What strict validation's type errors would have taken, as a JSON document spells it.
+STRICT_TYPE_MESSAGES = {
+    "int_type": "must be a valid integer",
+    "float_type": "must be a valid number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "finite_number": "must be a finite number",
+}
+
+
+def json_spelling(value: Any) -> str:
+    """A refused value as a JSON document writes it: true, "5", null, Infinity (shortened past 40 characters)."""
+    if isinstance(value, dict | list):
+        return "an object" if isinstance(value, dict) else "an array"
+    written = json.dumps(value)
+    return written if len(written) <= 40 else written[:37] + "..."
+
+
 def field_errors(error: ValidationError) -> dict[str, str]:
     """Flatten pydantic's errors into {"model.heads": "must divide dim=128; ..."}."""
     errors: dict[str, str] = {}
@@ -566,6 +617,8 @@ def field_errors(error: ValidationError) -> dict[str, str]:
         message = item["msg"]
         if item["type"] == "extra_forbidden":
             message = "is not a known field"
+        elif item["type"] in STRICT_TYPE_MESSAGES:
+            message = f"{STRICT_TYPE_MESSAGES[item['type']]}, not {json_spelling(item.get('input'))}"
         errors.setdefault(path, message.removeprefix("Value error, "))
     return errors
 

@@ -13,8 +13,9 @@ import enum
 import http.client
 import urllib.parse
 
-# Sending these again would be refused again, so the batch is set aside instead of retried.
-REJECTED_STATUSES = frozenset({400, 401, 403, 413})
+# Sending these again would be refused again, so the batch is set aside instead of retried: every client
+# error but a timeout (408) and too many requests (429), which say "later", not "never".
+REJECTED_STATUSES = frozenset(range(400, 500)) - {408, 429}
 EXCERPT_CHARS = 300
 
 

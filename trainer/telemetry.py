@@ -155,8 +155,15 @@ def backoff_delay(failures: int) -> float:
     return random.uniform(ceiling / 2, ceiling)
 
 
+def set_aside_count(spool_dir: Path) -> int:
+    """How many batches the platform refused for good, kept in the spool's rejected/ folder."""
+    return sum(1 for _ in (Path(spool_dir) / REJECTED_DIR).glob("*.json"))
+
+
 class _Courier:
-    """Sends the oldest spooled batch of a rank directory and files it by the outcome."""
+    """Sends the oldest spooled batch of a rank directory and files it by the outcome. A batch refused for
+    good (any client error but 408 and 429) moves to rejected/, so the next one goes: a batch the platform
+    will never take must not hold back every later batch of its rank."""
 
     def __init__(self, spool_dir: Path, url: str, token: str):
         self.spool_dir = Path(spool_dir)

@@ -1,19 +1,45 @@
 """Django settings. Embedded defaults for one machine; DATABASE_URL and REDIS_URL switch to services."""
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import plotly
+from django.core.exceptions import ImproperlyConfigured
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOM_HOME = Path(os.environ.get("LOOM_HOME", REPO_ROOT / "var"))
 LOOM_HOME.mkdir(parents=True, exist_ok=True)
 
-SECRET_KEY = os.environ.get("LOOM_SECRET_KEY", "loom-embedded-default-not-for-production")
-DEBUG = os.environ.get("LOOM_DEBUG", "1") == "1"
+# Off unless asked for: only the embedded bin/up turns it on (LOOM_DEBUG=1).
+DEBUG = os.environ.get("LOOM_DEBUG", "0") == "1"
+SECRET_KEY = os.environ.get("LOOM_SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DEBUG:
+        # Sessions, CSRF tokens and password resets are signed with it: a public default would let anyone
+        # forge them, so a deployment without its own key does not start.
+        raise ImproperlyConfigured(
+            "LOOM_SECRET_KEY is not set: give the platform a long random secret, e.g. "
+            '`python -c "import secrets; print(secrets.token_urlsafe(50))"` (or LOOM_DEBUG=1 for a local trial)'
+        )
+    SECRET_KEY = "loom-embedded-default-not-for-production"
 ALLOWED_HOSTS = os.environ.get("LOOM_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",")
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("LOOM_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+# A deployment served over HTTPS (docker/compose.yaml), behind a proxy that terminates TLS and says so in
+# X-Forwarded-Proto: cookies only over HTTPS, HSTS, and plain-HTTP pages redirected. The API is exempt from
+# the redirect: ranks and the launcher reach web and ingest over the deployment's own network, in plain HTTP.
+LOOM_HTTPS = os.environ.get("LOOM_HTTPS", "0") == "1"
+if LOOM_HTTPS:
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    SECURE_REDIRECT_EXEMPT = [r"^api/"]
+    SECURE_HSTS_SECONDS = 365 * 24 * 3600
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    # Entering browsers' preload lists binds the whole domain to HTTPS for years: the domain's owner decides
+    # that, not a control plane's defaults, so check --deploy's reminder of it (W021) stays quiet.
+    SILENCED_SYSTEM_CHECKS = ["security.W021"]
 
 INSTALLED_APPS = [
     "django.contrib.auth",
@@ -24,6 +50,8 @@ INSTALLED_APPS = [
     "channels",
     # Its templates and static files: /api/docs serves Swagger UI from this server, not from a CDN.
     "ninja",
+    # Counts failed logins and locks out an account or an address (AXES_* below).
+    "axes",
     "loom.accounts",
     "loom.runs",
     "loom.telemetry",
@@ -41,7 +69,21 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as axes asks: it answers a locked-out login with 429.
+    "axes.middleware.AxesMiddleware",
 ]
+
+AUTHENTICATION_BACKENDS = [
+    # First: refuses a locked-out account or address before any password is checked.
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+# Failed logins lock out the account (from any address) and the address (for any account) after this many,
+# until the cool-off has passed; the right password is refused meanwhile.
+AXES_FAILURE_LIMIT = int(os.environ.get("LOOM_LOGIN_FAILURE_LIMIT", "10"))
+AXES_COOLOFF_TIME = timedelta(minutes=float(os.environ.get("LOOM_LOGIN_COOLOFF_MIN", "15")))
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_RESET_ON_SUCCESS = True
 
 ROOT_URLCONF = "loom.urls"
 ASGI_APPLICATION = "loom.asgi.application"
@@ -94,7 +136,12 @@ else:
     }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-AUTH_PASSWORD_VALIDATORS = []
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/login/"
@@ -106,6 +153,8 @@ USE_TZ = True
 
 STATIC_URL = "/static/"
 STATIC_ROOT = LOOM_HOME / "static"
+# Files come from the finders (no collectstatic step); WhiteNoise still looks for this folder at start-up.
+STATIC_ROOT.mkdir(exist_ok=True)
 STATICFILES_DIRS = [
     REPO_ROOT / "frontend" / "static",
     # Plotly.js is served from the plotly package's own bundle: no Node build step.
@@ -160,6 +209,9 @@ LOOM_RUNS_DIR = Path(os.environ.get("LOOM_RUNS_DIR", LOOM_HOME / "runs"))
 LOOM_LAUNCH_GPUS = os.environ.get("LOOM_LAUNCH_GPUS")
 LOOM_INGEST_MAX_BYTES = 1024 * 1024
 LOOM_INGEST_MAX_EVENTS = 5000
+# An attempt's token still stores this long after the attempt finished: its ranks' last batches and the
+# launcher's final report arrive after the end is recorded. Past it, the token is refused (401).
+LOOM_INGEST_GRACE_S = float(os.environ.get("LOOM_INGEST_GRACE_S", "120"))
 LOOM_CANCEL_GRACE_S = float(os.environ.get("LOOM_CANCEL_GRACE_S", "10"))
 # A run's pages get at most one websocket message per this interval from each web process.
 LOOM_FANOUT_INTERVAL_S = float(os.environ.get("LOOM_FANOUT_INTERVAL_S", "0.1"))
@@ -179,12 +231,23 @@ LOOM_BACKENDS = {
     "local": "loom.runs.backends.local.LocalBackend",
     "slurm": "loom.runs.backends.slurm.SlurmBackend",
 }
+# Ranks start with an allow-listed environment (loom/runs/backends/environment.py), never the platform's secrets
+# (LOOM_SECRET_KEY, DATABASE_URL, REDIS_URL); these comma-separated names are passed to them as well.
+LOOM_RANK_ENV = [name for name in os.environ.get("LOOM_RANK_ENV", "").split(",") if name]
 # How many attempts the local backend runs at once on this host; the next wait queued until one ends (a
 # cluster's scheduler does this for the slurm backend).
 LOOM_LOCAL_MAX_ATTEMPTS = int(os.environ.get("LOOM_LOCAL_MAX_ATTEMPTS", "4"))
 # How many ranks a node runs (its GPUs; on CPU, as many as it has cores to spare): a layout of world size W
 # asks the backend for ceil(W / LOOM_RANKS_PER_NODE) nodes. The local backend runs every rank on one host.
 LOOM_RANKS_PER_NODE = int(os.environ.get("LOOM_RANKS_PER_NODE", "8"))
+# Limits a new run is held to (loom/runs/limits.py). CPU rank slots: how many ranks the local backend runs on
+# this host when its ranks train on CPU (gloo ranks of a small model share cores well; a GPU host has one rank
+# per GPU). Model size: parameters, as the planner counts them. Per user: ranks held by their active runs, and
+# runs waiting queued.
+LOOM_LOCAL_CPU_SLOTS = int(os.environ.get("LOOM_LOCAL_CPU_SLOTS", str(4 * (os.cpu_count() or 1))))
+LOOM_MAX_MODEL_PARAMETERS = int(float(os.environ.get("LOOM_MAX_MODEL_PARAMETERS", "1e12")))
+LOOM_USER_MAX_RANKS = int(os.environ.get("LOOM_USER_MAX_RANKS", "1024"))
+LOOM_USER_MAX_QUEUED = int(os.environ.get("LOOM_USER_MAX_QUEUED", "32"))
 # Slurm: the partition and account jobs are charged to (empty: the cluster's defaults), and the slurm.conf
 # the client commands read (empty: theirs, /etc/slurm/slurm.conf).
 LOOM_SLURM_PARTITION = os.environ.get("LOOM_SLURM_PARTITION", "")
@@ -201,6 +264,11 @@ CELERY_BEAT_SCHEDULE = {
 # Webhook POSTs of alert changes: tries in all, and the wait before the second (doubling after).
 LOOM_WEBHOOK_TRIES = int(os.environ.get("LOOM_WEBHOOK_TRIES", "5"))
 LOOM_WEBHOOK_RETRY_BASE_S = float(os.environ.get("LOOM_WEBHOOK_RETRY_BASE_S", "5"))
+# Webhooks go only to public addresses (alerts/webhooks.py); these comma-separated networks (CIDRs) and
+# host names are allowed besides, for receivers inside the deployment's own network.
+LOOM_WEBHOOK_ALLOWED_NETWORKS = [
+    entry.strip() for entry in os.environ.get("LOOM_WEBHOOK_ALLOWED_NETWORKS", "").split(",") if entry.strip()
+]
 CELERY_TASK_ROUTES = (
     {
         task: {"queue": LOOM_MONITOR_QUEUE}
@@ -214,5 +282,9 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"loom": {"handlers": ["console"], "level": "INFO"}},
+    "loggers": {
+        "loom": {"handlers": ["console"], "level": "INFO"},
+        # A failed request's traceback reaches stderr with DEBUG off too (Django's own console is DEBUG-only).
+        "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
+    },
 }

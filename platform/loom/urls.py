@@ -8,4 +8,5 @@ urlpatterns = [
     path("", include("loom.planner.page_urls")),
     path("", include("loom.checkpoints.page_urls")),
     path("", include("loom.alerts.page_urls")),
+    path("", include("loom.accounts.page_urls")),
 ]

@@ -17,7 +17,7 @@ from loom.runs.launcher import claim_attempt
 from loom.runs.models import Run
 from trainer.config import ParallelConfig
 
-from ..platform.helpers import TINY_CONFIG, BatchSender, checkpoint_event, claimed_run
+from ..platform.helpers import TINY_CONFIG, BatchSender, checkpoint_event, claimed_run, own_checkpoint
 from .test_pages import TINY_FORM
 
 pytestmark = pytest.mark.e2e
@@ -76,7 +76,7 @@ def history(platform_user):
     sender = BatchSender(first)
     sender.send(-1, launcher_state(first, "running", start))
     train(sender, range(1, 8), start)
-    sender.send(0, committed(5, "/ckpt/a1/step-000005", start + 5))
+    sender.send(0, committed(5, own_checkpoint(first, 5), start + 5))
     failure = "torchrun exited with code 1\nrank 1 was killed by SIGKILL"
     sender.send(
         -1,
@@ -86,13 +86,12 @@ def history(platform_user):
     sender = BatchSender(second)
     sender.send(-1, launcher_state(second, "running", start + 11))
     train(sender, range(6, 21), start + 6)
-    sender.send(0, committed(10, "/ckpt/a2/step-000010", start + 16, parent="/ckpt/a1/step-000005"))
-    sender.send(0, committed(15, "/ckpt/a2/step-000015", start + 21, parent="/ckpt/a2/step-000010"))
-    sender.send(0, committed(20, "/ckpt/a2/step-000020", start + 26, parent="/ckpt/a2/step-000015"))
-    sender.send(0, checkpoint_event("deleted", 15, "/ckpt/a2/step-000015", start + 27))
-    sender.send(
-        0, checkpoint_event("corrupt", 10, "/ckpt/a2/step-000010", start + 28, error="__1_0.distcp: sha256 mismatch")
-    )
+    sender.send(0, committed(10, own_checkpoint(second, 10), start + 16, parent=own_checkpoint(first, 5)))
+    sender.send(0, committed(15, own_checkpoint(second, 15), start + 21, parent=own_checkpoint(second, 10)))
+    sender.send(0, committed(20, own_checkpoint(second, 20), start + 26, parent=own_checkpoint(second, 15)))
+    sender.send(0, checkpoint_event("deleted", 15, own_checkpoint(second, 15), start + 27))
+    damage = "__1_0.distcp: sha256 mismatch"
+    sender.send(0, checkpoint_event("corrupt", 10, own_checkpoint(second, 10), start + 28, error=damage))
     sender.send(-1, launcher_state(second, "succeeded", start + 30, exit_code=0))
     run.refresh_from_db()
     checkpoints = dict(run.checkpoints.values_list("step", "id"))
@@ -223,7 +222,7 @@ def test_checkpoints_and_a_restart_appear_live_and_a_running_run_only_forks(runn
     expect(page.locator("#run-state")).to_have_text("running")
 
     now = time.time()
-    post_batch(ingest_url, token, attempt, 0, 10, [committed(5, "/ckpt/live/step-000005", now)])
+    post_batch(ingest_url, token, attempt, 0, 10, [committed(5, own_checkpoint(attempt, 5), now)])
     expect(page.locator("#checkpoint-rows tr")).to_have_count(1)
     assert checkpoint_rows(page) == [(5, "committed")]
 
@@ -409,7 +408,7 @@ def test_lineage_page_draws_runs_attempts_checkpoints_and_the_fork(family, open_
         ("fork", f"checkpoint-{checkpoints[5]}", f"attempt-{fork_attempt}"),
     }
     corrupt = page.locator(f'g.lineage-checkpoint[data-checkpoint="{checkpoints[10]}"] > title')
-    expect(corrupt).to_contain_text("/ckpt/a2/step-000010")
+    expect(corrupt).to_contain_text(f"/run-{run.pk}/attempt-2/checkpoints/step-000010")
     expect(corrupt).to_contain_text("problem: __1_0.distcp: sha256 mismatch")
     expect(corrupt).to_contain_text("size 3.0 MiB · loss 4.0000 · training stalled 0.10 s")
     failed = page.locator(f'g.lineage-attempt[data-attempt-id="{attempts[1]}"] > title')

@@ -154,7 +154,7 @@ def test_invalid_form_shows_each_error_next_to_its_field_and_keeps_values(logged
     assert field_errors(response, "model.heads") == [
         "must divide dim=128; valid choices include [1, 2, 4, 8, 16, 32, 64]"
     ]
-    assert field_errors(response, "steps") == ["Input should be a valid integer, unable to parse string as an integer"]
+    assert field_errors(response, "steps") == ['must be a valid integer, not "abc"']
     assert field_errors(response, "model.layers") == []
     page = response.content.decode()
     heads_input = page.split('<label for="id_model.heads">')[1].split("</div>")[0]

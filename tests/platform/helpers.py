@@ -1,7 +1,9 @@
 """Building blocks for platform tests: real runs and attempts in the test database."""
 
-import time
+from pathlib import Path
 
+from loom.checkpoints.services import checkpoint_dir_for
+from loom.runs.backends import NodeInfo
 from loom.runs.launcher import claim_attempt
 from loom.runs.models import Run
 from loom.runs.services import create_run
@@ -17,6 +19,10 @@ TINY_CONFIG = {
 }
 
 
+# When batch()'s events were emitted: a fixed moment, so that building a batch twice gives the same batch.
+EPOCH_S = 1_700_000_000.0
+
+
 def claimed_run(owner, name="claimed", config=None):
     """A run whose first attempt is claimed as a launcher would, returning (run, attempt, token)."""
     run = create_run(owner, name, config or TINY_CONFIG)
@@ -25,12 +31,14 @@ def claimed_run(owner, name="claimed", config=None):
 
 
 def batch(attempt, rank=0, seq=0, steps=(1, 2, 3)):
+    """The same arguments give the same batch, as a rank's retry resends it (other events under the same seq
+    are a conflict)."""
     return {
         "attempt": attempt.pk,
         "rank": rank,
         "seq": seq,
         "events": [
-            {"kind": "metric", "time": time.time(), "step": step, "payload": {"loss": 5.0 - step / 10}}
+            {"kind": "metric", "time": EPOCH_S + step, "step": step, "payload": {"loss": 5.0 - step / 10}}
             for step in steps
         ],
     }
@@ -54,6 +62,31 @@ class BatchSender:
         return ingest_batch(self.attempt, rank, seq, list(events))
 
 
+def own_checkpoint(attempt, step) -> str:
+    """Where the attempt's ranks write the checkpoint of `step`: the ingest API records commits only there."""
+    return str(checkpoint_dir_for(Path(attempt.work_dir)) / f"step-{step:06d}")
+
+
 def checkpoint_event(state, step, path, time=100.0, **payload):
     payload = {"state": state, "step": step, "path": path, **payload}
     return {"kind": "checkpoint", "time": time, "step": step, "payload": payload}
+
+
+class NodeListingBackend:
+    """A launch backend that lists fixed nodes and launches nothing, for tests that only read nodes or create
+    runs (the Slurm and local tests exercise real backends). A subclass names itself and its nodes."""
+
+    name = ""
+    listed: tuple[NodeInfo, ...] = ()
+
+    def submit(self, spec):
+        raise NotImplementedError(f"the {self.name} backend lists nodes only; it cannot launch {spec.attempt_id}")
+
+    def observe(self, handles):
+        return {}
+
+    def cancel(self, handle, grace_s):
+        raise NotImplementedError(f"the {self.name} backend launched nothing to cancel")
+
+    def nodes(self):
+        return list(self.listed)

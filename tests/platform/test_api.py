@@ -149,9 +149,10 @@ def test_events_after_pages_through_the_log(client, platform_user, token_for):
     assert [e["seq"] for e in first["events"]] == [1, 2] and first["more"] is True
     rest = api(client, "get", f"/api/runs/{run.pk}/events?after=2", token).json()
     assert rest["more"] is False
-    assert rest["last_seq"] == rest["events"][-1]["seq"] == 4
+    # queued, the claim's starting, then the three metrics
+    assert rest["last_seq"] == rest["events"][-1]["seq"] == 5
     pages = first["events"] + rest["events"]
-    assert [e["seq"] for e in pages] == [1, 2, 3, 4]
+    assert [e["seq"] for e in pages] == [1, 2, 3, 4, 5]
     assert [e["step"] for e in pages if e["kind"] == "metric"] == [0, 1, 2]
 
 

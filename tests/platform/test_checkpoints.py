@@ -2,6 +2,7 @@
 
 import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -9,15 +10,22 @@ from loom.checkpoints import services
 from loom.checkpoints.models import Checkpoint, Pin
 from loom.checkpoints.resilience import resilience, young_daly_interval_s
 from loom.runs import states
+from loom.runs.launcher import work_dir_for
 from loom.runs.lifecycle import restarts_in_a_row
 from loom.runs.models import Attempt, Run
 
 from ..conftest import wait_for
-from .helpers import TINY_CONFIG, BatchSender, checkpoint_event, claimed_run
+from .helpers import TINY_CONFIG, BatchSender, checkpoint_event, claimed_run, own_checkpoint
 
 pytestmark = pytest.mark.django_db
 
 LAYOUT = {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1}
+
+
+def as_launched(attempt, token_hash):
+    """A later attempt given a token and its work dir, as the launcher's claim gives them."""
+    Attempt.objects.filter(pk=attempt.pk).update(token_hash=token_hash, work_dir=str(work_dir_for(attempt)))
+    attempt.refresh_from_db()
 
 
 def committed(step, path, parent=None, time=100.0, stall_s=0.05):
@@ -58,13 +66,18 @@ def state(name, time):
 def test_committed_events_become_checkpoints_linked_to_their_parents(platform_user):
     run, attempt, _ = claimed_run(platform_user[0])
     ranks = Ranks(attempt)
-    ranks.send(0, committed(5, "/c/a1/step-000005"), committed(10, "/c/a1/step-000010", parent="/c/a1/step-000005"))
+    ranks.send(
+        0,
+        committed(5, own_checkpoint(attempt, 5)),
+        committed(10, own_checkpoint(attempt, 10), parent=own_checkpoint(attempt, 5)),
+    )
     first, second = Checkpoint.objects.filter(run=run).order_by("step")
     assert (first.step, first.state, first.bytes, first.world_size, first.layout) == (5, "committed", 1005, 2, LAYOUT)
     assert (second.parent, second.stall_s, second.loss) == (first, 0.05, 4.0)
-    ranks.send(0, checkpoint_event("deleted", 5, "/c/a1/step-000005"))
+    ranks.send(0, checkpoint_event("deleted", 5, own_checkpoint(attempt, 5)))
     ranks.send(
-        0, checkpoint_event("corrupt", 10, "/c/a1/step-000010", error="step-000010/__0_0.distcp: sha256 mismatch")
+        0,
+        checkpoint_event("corrupt", 10, own_checkpoint(attempt, 10), error="step-000010/__0_0.distcp: sha256 mismatch"),
     )
     first.refresh_from_db()
     second.refresh_from_db()
@@ -76,7 +89,7 @@ def test_committed_events_become_checkpoints_linked_to_their_parents(platform_us
 def test_a_save_under_the_same_name_marks_the_older_one_deleted(platform_user):
     run, attempt, _ = claimed_run(platform_user[0])
     ranks = Ranks(attempt)
-    ranks.send(0, committed(5, "/shared/step-000005"), committed(5, "/shared/step-000005", time=200.0))
+    ranks.send(0, committed(5, own_checkpoint(attempt, 5)), committed(5, own_checkpoint(attempt, 5), time=200.0))
     assert list(Checkpoint.objects.filter(run=run).order_by("id").values_list("state", flat=True)) == [
         "deleted",
         "committed",
@@ -85,9 +98,9 @@ def test_a_save_under_the_same_name_marks_the_older_one_deleted(platform_user):
 
 def test_a_loaded_event_records_where_the_attempt_started(platform_user):
     run, attempt, _ = claimed_run(platform_user[0])
-    Ranks(attempt).send(0, committed(5, "/c/step-000005"))
+    Ranks(attempt).send(0, committed(5, own_checkpoint(attempt, 5)))
     other_run, other_attempt, _ = claimed_run(platform_user[0], "second")
-    Ranks(other_attempt).send(0, checkpoint_event("loaded", 5, "/c/step-000005", layout=LAYOUT, world_size=2))
+    Ranks(other_attempt).send(0, checkpoint_event("loaded", 5, own_checkpoint(attempt, 5), layout=LAYOUT, world_size=2))
     other_attempt.refresh_from_db()
     assert other_attempt.restored_from == Checkpoint.objects.get(run=run)
 
@@ -96,7 +109,7 @@ def test_a_retryable_failure_restarts_from_the_failed_attempts_checkpoints_witho
     config = {**TINY_CONFIG, "checkpoint": {"interval_steps": 5}, "faults": {"kill_at_step": 7, "kill_rank": 1}}
     run, attempt, _ = claimed_run(platform_user[0], config=config)
     ranks = Ranks(attempt)
-    ranks.send(0, committed(5, "/runs/run-1/attempt-1/checkpoints/step-000005"))
+    ranks.send(0, committed(5, own_checkpoint(attempt, 5)))
     ranks.fail(time=1000.0)
     attempt.refresh_from_db()
     run.refresh_from_db()
@@ -105,7 +118,7 @@ def test_a_retryable_failure_restarts_from_the_failed_attempts_checkpoints_witho
     assert attempt.restart_decision.startswith("restarted as attempt 2 from its checkpoints (newest: step 5)")
     assert (restart.state, restart.trigger, run.state) == (states.QUEUED, Attempt.RESTART, states.QUEUED)
     assert restart.restored_from == Checkpoint.objects.get(run=run, step=5)
-    assert restart.config["checkpoint"]["resume"] == "/runs/run-1/attempt-1/checkpoints"
+    assert restart.config["checkpoint"]["resume"] == str(Path(own_checkpoint(attempt, 5)).parent)
     assert restart.config["faults"]["kill_at_step"] is None  # the rehearsed failure happens once
     assert "automatic restart 1 of 3" in restart.trigger_note and "rank 1 was killed by SIGKILL" in restart.trigger_note
     queued = run.events.filter(kind="state", attempt=restart).get()
@@ -147,7 +160,7 @@ def test_restarts_stop_after_max_restarts_in_a_row(platform_user):
 
 def test_a_restart_without_checkpoints_resumes_where_the_attempt_had_started(platform_user):
     run, attempt, _ = claimed_run(platform_user[0], config={**TINY_CONFIG, "checkpoint": {"interval_steps": 5}})
-    Ranks(attempt).send(0, committed(5, "/a1/step-000005"))
+    Ranks(attempt).send(0, committed(5, own_checkpoint(attempt, 5)))
     source = Checkpoint.objects.get(run=run)
     restored = api_restore(run, {"checkpoint": source.pk}, platform_user)
     assert restored.status_code == 400  # attempt 1 is still active
@@ -157,7 +170,7 @@ def test_a_restart_without_checkpoints_resumes_where_the_attempt_had_started(pla
     second.refresh_from_db()
     Ranks(second).fail(time=900.0)
     third = run.attempts.get(number=3)
-    assert third.config["checkpoint"]["resume"] == "/a1/step-000005"
+    assert third.config["checkpoint"]["resume"] == own_checkpoint(attempt, 5)
     assert third.restored_from == source and "where it had started" in third.trigger_note
 
 
@@ -169,8 +182,14 @@ def finished_with_checkpoints(platform_user):
     config = {**TINY_CONFIG, "checkpoint": {"interval_steps": 5}}
     run, attempt, _ = claimed_run(platform_user[0], config=config)
     ranks = Ranks(attempt)
-    ranks.send(0, committed(5, "/a1/step-000005"), committed(10, "/a1/step-000010", parent="/a1/step-000005"))
-    ranks.send(0, checkpoint_event("corrupt", 10, "/a1/step-000010", error="step-000010/__1_0.distcp: missing"))
+    ranks.send(
+        0,
+        committed(5, own_checkpoint(attempt, 5)),
+        committed(10, own_checkpoint(attempt, 10), parent=own_checkpoint(attempt, 5)),
+    )
+    ranks.send(
+        0, checkpoint_event("corrupt", 10, own_checkpoint(attempt, 10), error="step-000010/__1_0.distcp: missing")
+    )
     ranks.send(-1, state(states.STARTING, 1.0), state(states.RUNNING, 2.0), state(states.SUCCEEDED, 3.0))
     run.refresh_from_db()
     return run
@@ -229,7 +248,7 @@ def test_restore_as_a_new_attempt_in_another_layout(finished_with_checkpoints, p
     assert response.json() == {"run": run.pk, "attempt": 2, "forked": False}
     attempt = run.attempts.get(number=2)
     assert (attempt.config["parallel"]["tp"], attempt.config["parallel"]["dp_replicate"]) == (2, 1)
-    assert attempt.config["checkpoint"]["resume"] == "/a1/step-000005"
+    assert attempt.config["checkpoint"]["resume"] == step5.path
     assert (attempt.trigger, attempt.restored_from, attempt.state) == (Attempt.RESTORE, step5, states.QUEUED)
     run.refresh_from_db()
     assert run.state == states.QUEUED
@@ -283,18 +302,17 @@ def test_resilience_figures_from_a_failure_and_its_restart(platform_user):
     start = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
     ranks = Ranks(attempt)
     ranks.metrics(range(1, 8), start)  # steps 1–7 at start+1 … start+7, 1 s each
-    ranks.send(0, committed(5, "/a1/step-000005", time=start + 5, stall_s=0.2))
+    ranks.send(0, committed(5, own_checkpoint(attempt, 5), time=start + 5, stall_s=0.2))
     ranks.fail(time=start + 8)
     failed_at = start + 8
     Attempt.objects.filter(pk=attempt.pk).update(
         started_at=datetime.fromtimestamp(start, UTC), finished_at=datetime.fromtimestamp(failed_at, UTC)
     )
     restart = run.attempts.get(number=2)
-    Attempt.objects.filter(pk=restart.pk).update(token_hash="restart")
-    restart.refresh_from_db()
+    as_launched(restart, "restart")
     restarted = Ranks(restart)
     restarted.metrics(range(6, 21), start + 6)  # the first step after resume (6) at start+12, the last at +26
-    restarted.send(0, committed(10, "/a2/step-000010", time=start + 16, stall_s=0.4))
+    restarted.send(0, committed(10, own_checkpoint(restart, 10), time=start + 16, stall_s=0.4))
     Attempt.objects.filter(pk=restart.pk).update(
         state=states.SUCCEEDED, finished_at=datetime.fromtimestamp(start + 26, UTC)
     )
@@ -409,11 +427,12 @@ def test_a_live_alert_pins_the_checkpoint_triage_offers_until_it_is_resolved(pla
     run, attempt, token = claimed_run(platform_user[0], config={**TINY_CONFIG, "checkpoint": {"interval_steps": 10}})
     first = Ranks(attempt)
     for step in (50, 60, 70):
-        first.send(0, committed(step, f"/a1/step-{step:06d}"))
+        first.send(0, committed(step, own_checkpoint(attempt, step)))
     first.fail(time=200.0, kind="exception", retryable=False)
     # A restored attempt wrote its own checkpoints of the same run, in its own directory.
     restored = Attempt.objects.create(run=run, number=2, config=attempt.config, trigger=Attempt.RESTORE)
-    Ranks(restored).send(0, committed(80, "/a2/step-000080"), committed(90, "/a2/step-000090"))
+    as_launched(restored, "restored")
+    Ranks(restored).send(0, committed(80, own_checkpoint(restored, 80)), committed(90, own_checkpoint(restored, 90)))
     spike = Finding(detectors.LOSS_SPIKE, 70, detectors.WARNING, "loss 40 at step 70")
     slow = Finding(detectors.STRAGGLER, 95, detectors.WARNING, "rank 1 is slow", rank=1)
     loss_spike, straggler = record(restored, [spike, slow], str).opened
@@ -421,8 +440,8 @@ def test_a_live_alert_pins_the_checkpoint_triage_offers_until_it_is_resolved(pla
     assert pin.pins == [f"pinned by alert #{straggler.pk} (straggler at step 95)", "pinned by ada"]
 
     by_path = {
-        "/a1/step-000060": [f"pinned by alert #{loss_spike.pk} (loss spike at step 70)"],
-        "/a2/step-000090": [f"pinned by alert #{straggler.pk} (straggler at step 95)", "pinned by ada"],
+        own_checkpoint(attempt, 60): [f"pinned by alert #{loss_spike.pk} (loss spike at step 70)"],
+        own_checkpoint(restored, 90): [f"pinned by alert #{straggler.pk} (straggler at step 95)", "pinned by ada"],
     }
     answer = client.get("/api/checkpoints/pinned", HTTP_AUTHORIZATION=f"Bearer {token}")
     # No metric judged yet: retention must wait for every step.
@@ -430,10 +449,10 @@ def test_a_live_alert_pins_the_checkpoint_triage_offers_until_it_is_resolved(pla
     assert client.get("/api/checkpoints/pinned", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
     # Unpinning takes back the person's pin only; resolving an alert takes back its own.
     assert services.unpin(platform_user[0], run, run.checkpoints.get(step=90).pk).pins == [
-        by_path["/a2/step-000090"][0]
+        by_path[own_checkpoint(restored, 90)][0]
     ]
     resolve(loss_spike, platform_user[0])
-    assert services.pinned_paths(run) == {"/a2/step-000090": [by_path["/a2/step-000090"][0]]}
+    assert services.pinned_paths(run) == {own_checkpoint(restored, 90): [by_path[own_checkpoint(restored, 90)][0]]}
 
 
 @pytest.mark.django_db(transaction=True)

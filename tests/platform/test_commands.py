@@ -3,6 +3,7 @@ from io import StringIO
 import pytest
 from django.contrib.auth import authenticate
 from django.core.management import call_command
+from django.test import RequestFactory
 
 from loom.runs import states
 from loom.runs.models import Run
@@ -15,7 +16,7 @@ def test_create_api_user_prints_a_token_that_authenticates_the_api(client):
     call_command("create_api_user", "bob", "--password", "pw-for-bob", stdout=out)
     token = out.getvalue().strip()
     assert token.startswith("loom_")
-    assert authenticate(username="bob", password="pw-for-bob") is not None
+    assert authenticate(RequestFactory().post("/login/"), username="bob", password="pw-for-bob") is not None
     response = client.get("/api/runs", HTTP_AUTHORIZATION=f"Bearer {token}")
     assert response.status_code == 200 and response.json() == []
 
@@ -37,5 +38,5 @@ def test_demo_creates_the_login_and_a_queued_run_with_a_valid_config():
     run = Run.objects.get()
     assert (run.owner.username, run.state) == ("demo", states.QUEUED)
     assert run.config["parallel"]["dp_replicate"] == 2
-    assert authenticate(username="demo", password="demo") is not None
+    assert authenticate(RequestFactory().post("/login/"), username="demo", password="demo") is not None
     assert f"http://127.0.0.1:9999/runs/{run.pk}/" in out.getvalue()

@@ -8,7 +8,7 @@ from django.test import Client
 from loom.runs import states
 from loom.telemetry.models import Event, IngestBatch
 
-from .helpers import batch, claimed_run, event_count
+from .helpers import TINY_CONFIG, batch, claimed_run, event_count
 
 pytestmark = pytest.mark.django_db
 
@@ -135,8 +135,8 @@ def test_illegal_launcher_state_is_stored_but_does_not_move_the_attempt(client, 
 
 @pytest.mark.django_db(transaction=True)
 def test_concurrent_batches_from_many_ranks_are_each_stored_once(platform_user):
-    run, attempt, token = claimed_run(platform_user[0])
     ranks, batches_per_rank = 8, 5
+    run, attempt, token = claimed_run(platform_user[0], config=TINY_CONFIG | {"parallel": {"dp_replicate": ranks}})
     errors = []
 
     def send(rank):

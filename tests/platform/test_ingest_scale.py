@@ -59,6 +59,9 @@ def test_the_endpoint_answers_each_rule_as_the_api_documents(platform_server, pl
 def test_many_ranks_posting_at_once_with_retries_store_every_event_once(platform_server, platform_user):
     run, attempt, token = claimed_run(platform_user[0])
     ranks, batches_per_rank, steps_per_batch = 32, 6, 2
+    # An attempt of 32 ranks, more than this host launches: its ranks are only simulated here.
+    attempt.config["parallel"] = {"dp_replicate": ranks}
+    attempt.save(update_fields=["config"])
     failures = []
 
     def send_into(answers, body):

@@ -13,34 +13,20 @@ from loom.runs.models import Attempt, ExcludedNode
 from loom.runs.services import create_run
 from loom.telemetry.models import RankStatus
 
-from .helpers import TINY_CONFIG
+from .helpers import TINY_CONFIG, NodeListingBackend
 
 pytestmark = pytest.mark.django_db
 
 BACKEND = "nodes-test"
 
 
-class ThreeNodeBackend:
-    """A backend that lists three fixed nodes and launches nothing: these tests only ask it for its nodes
-    (the Slurm and local tests exercise real ones)."""
-
+class ThreeNodeBackend(NodeListingBackend):
     name = BACKEND
-
-    def submit(self, spec):
-        raise NotImplementedError(f"the {BACKEND} backend only lists nodes; it cannot launch attempt {spec.attempt_id}")
-
-    def observe(self, handles):
-        return {}
-
-    def cancel(self, handle, grace_s):
-        raise NotImplementedError(f"the {BACKEND} backend launched nothing to cancel")
-
-    def nodes(self):
-        return [
-            NodeInfo("n1", "mixed", cpus=16, gpus=2),
-            NodeInfo("n2", "idle", cpus=16, gpus=2),
-            NodeInfo("n3", "down", cpus=8, gpus=0, reason="Not responding"),
-        ]
+    listed = (
+        NodeInfo("n1", "mixed", cpus=16, gpus=2),
+        NodeInfo("n2", "idle", cpus=16, gpus=2),
+        NodeInfo("n3", "down", cpus=8, gpus=0, reason="Not responding"),
+    )
 
 
 class UnreachableBackend(ThreeNodeBackend):

@@ -30,7 +30,7 @@ def test_the_triage_page_names_suspects_offers_the_checkpoint_before_and_shows_l
     attempt.refresh_from_db()
     sender = BatchSender(attempt)
     for step in (5, 10, 15):
-        sender.send(-1, checkpoint_event("committed", step, f"{tmp_path}/step-{step}", time=time.time()))
+        sender.send(-1, checkpoint_event("committed", step, f"{tmp_path}/checkpoints/step-{step}", time=time.time()))
     for rank in range(2):
         rank_log(tmp_path, rank, [f"rank {rank} step {step}/20 loss 4.0" for step in range(1, 21)])
     slow = Finding(detectors.STRAGGLER, 12, detectors.WARNING, "rank 1 is a straggler", rank=SLOW_RANK, ranks=(1,))
@@ -94,7 +94,7 @@ def test_a_crash_past_the_last_heartbeat_gets_the_step_its_metrics_reached_and_t
         sender.send(rank, beat, *metrics)
         rank_log(tmp_path, rank, [f"rank {rank} step {step}/40 loss 4.0" for step in range(1, 35)])
     for step in (10, 20, 30):
-        sender.send(0, checkpoint_event("committed", step, f"{tmp_path}/step-{step}", time=time.time()))
+        sender.send(0, checkpoint_event("committed", step, f"{tmp_path}/checkpoints/step-{step}", time=time.time()))
     failed = {
         "state": "failed", "exit_code": 1, "reason": "rank 1 was killed by SIGKILL", "failure_kind": "killed",
         "retryable": False, "failure_rank": 1, "failure_cause": "rank 1 was killed by SIGKILL",

@@ -31,6 +31,7 @@ from trainer.checkpoint import (
     steps_to_delete,
     verify,
     without_stage_number,
+    written_by,
 )
 from trainer.config import ConfigError, parse_config
 from trainer.telemetry import Pins, TelemetryClient
@@ -249,6 +250,20 @@ def test_retention_keeps_what_the_platform_pinned_and_everything_when_it_cannot_
     offline.close(0.0)
 
 
+def test_only_checkpoints_of_the_same_run_and_attempt_count_as_written_by_it(tmp_path):
+    root = tmp_path / "checkpoints"
+    own = committed_at(root, 5)
+    manifest = json.loads((own / MANIFEST).read_text())
+    (own / MANIFEST).write_text(json.dumps({**manifest, "run_id": RUN_ID, "attempt": 7}))
+    assert written_by(own, RUN_ID, 7)
+    assert not written_by(own, RUN_ID, 8) and not written_by(own, "run-43", 7) and not written_by(own, None, None)
+    # A link named like a checkpoint leads out of the directory: never this attempt's own.
+    (root / "step-000006").symlink_to(own)
+    assert not written_by(root / "step-000006", RUN_ID, 7)
+    # Offline (no platform) a run is the same as the last one run by hand in its directory.
+    assert written_by(committed_at(root, 10), None, None)
+
+
 @pytest.mark.parametrize(
     ("key", "full_name"),
     [
@@ -398,6 +413,31 @@ def test_resuming_halfway_repeats_the_straight_run_exactly(straight, tmp_path):
         (5, str(own_directory / "step-000004")),
         (6, str(own_directory / "step-000005")),
     ]
+
+
+@pytest.mark.slow
+def test_retention_deletes_only_what_the_attempt_wrote_never_what_it_resumed_from(straight, tmp_path):
+    """A run writing into a directory that holds another run's checkpoints (the trainer run by hand may be told
+    to) and resuming from one of them: keep_last 1 retires its own step 6 once step 7 is committed, and leaves
+    the other run's steps 3 and 5, the one it resumed from included."""
+    _, directory = straight
+    shared = tmp_path / "shared"
+    for name in ("step-000003", "step-000005"):
+        shutil.copytree(directory / name, shared / name)
+    others = {name: sha256_tree(shared / name) for name in ("step-000003", "step-000005")}
+    checkpoint = {"resume": str(shared / "step-000005"), "interval_steps": 1, "keep_last": 1, "directory": str(shared)}
+    resumed = run_trainer(
+        tmp_path, fsdp2(checkpoint, steps=7), extra_env={"LOOM_RUN_ID": "run-43", "LOOM_ATTEMPT": "8"}
+    )
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert [event["step"] for event in checkpoint_events(resumed, "committed")] == [6, 7]
+    assert [event["path"] for event in checkpoint_events(resumed, "deleted")] == [str(shared / "step-000006")]
+    assert sorted(path.name for path in shared.iterdir()) == ["step-000003", "step-000005", "step-000007"]
+    assert {name: sha256_tree(shared / name) for name in others} == others
+
+
+def sha256_tree(directory: Path) -> dict[str, str]:
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.iterdir())}
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from typing import Any, Literal
 from django.http import Http404
 from ninja import Router, Schema, Status
 
+from loom.api.errors import Body
 from loom.runs import services as run_services
 
 from . import notify, services, webhooks
@@ -84,7 +85,7 @@ def resolve(request, alert_id: int):
     return alert
 
 
-class WebhookIn(Schema):
+class WebhookIn(Body):
     url: Any = None
     # A run of the user's: only its alerts; null: every run's.
     run: Any = None

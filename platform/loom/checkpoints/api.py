@@ -4,6 +4,7 @@ from typing import Any
 from django.http import JsonResponse
 from ninja import Router, Schema, Status
 
+from loom.api.errors import Body, FieldErrors, Name
 from loom.runs import services as run_services
 from loom.runs.models import Attempt, Run
 from loom.telemetry.ingest import bearer
@@ -55,14 +56,14 @@ class CheckpointOut(Schema):
         return bool(checkpoint.pins)
 
 
-class RestoreIn(Schema):
+class RestoreIn(Body):
     checkpoint: Any = None
     # "attempt": the run's next attempt; "fork": the first attempt of a new run.
     mode: Any = "attempt"
     # Fields of the config's parallel section to change (tp, pp, dp_shard, …); the rest stay as saved.
     parallel: Any = None
     steps: Any = None
-    name: Any = None
+    name: Name | None = None
     # Past a loss spike: a new peak learning rate, and [first, last] steps whose data the attempt skips.
     lr: Any = None
     skip_steps: Any = None
@@ -72,10 +73,6 @@ class RestoredOut(Schema):
     run: int
     attempt: int
     forked: bool
-
-
-class FieldErrors(Schema):
-    errors: dict[str, str]
 
 
 @router.get("/runs/{run_id}/checkpoints", response=list[CheckpointOut])

@@ -1,8 +1,11 @@
 """Checkpoints as the platform knows them: filled from the trainer's `checkpoint` events, drawn as a
 lineage across runs and attempts, pinned against retention, and restored into a new attempt or a forked run."""
 
+import logging
+import os
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 from django.db import transaction
 from django.db.models import Max
@@ -17,11 +20,26 @@ from trainer.config import ConfigError, parse_config, world_size_of
 from .models import COMMITTED, CORRUPT, DELETED, Checkpoint, Pin
 
 RESTORE_MODES = ("attempt", "fork")
+CHECKPOINTS_DIR_NAME = "checkpoints"
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_dir_for(work_dir: Path) -> Path:
+    """Where an attempt writes its checkpoints: a directory of its own work dir, which the platform derives from
+    the run's and the attempt's ids (runs/launcher.py). A config cannot name another: a restore from an earlier
+    step never overwrites or retires another attempt's checkpoints, and nobody writes into someone else's."""
+    return Path(work_dir) / CHECKPOINTS_DIR_NAME
 
 
 def record_checkpoint_event(attempt: Attempt, event) -> None:
     """Apply one stored `checkpoint` event (committed, loaded, corrupt, deleted; failed saves stay
-    events only). Called inside the ingest transaction, so the row and the event land together."""
+    events only). Called inside the ingest transaction, so the row and the event land together.
+
+    An attempt's token speaks for its own run only: a commit lies in the attempt's own checkpoint directory,
+    corrupt and deleted mark only its run's checkpoints (a trainer reports them only from a directory it
+    searched: its own, or on a restart its run's previous attempt's), and a load names a checkpoint of its
+    owner's. Anything else is ignored with a warning; the event stays stored."""
     payload = event.payload
     path = payload.get("path")
     if not isinstance(path, str) or not path:
@@ -30,20 +48,49 @@ def record_checkpoint_event(attempt: Attempt, event) -> None:
     if state == COMMITTED:
         _record_commit(attempt, event, path)
     elif state in (CORRUPT, DELETED):
-        problem = payload.get("error") or f"deleted by {attempt} (retention)"
-        Checkpoint.objects.filter(path=path).exclude(state=DELETED).update(state=state, problem=str(problem)[:4000])
+        _record_problem(attempt, state, path, payload.get("error") or f"deleted by {attempt} (retention)")
     elif state == "loaded":
-        source = Checkpoint.objects.filter(path=path).order_by("-id").first()
+        source = _owners_checkpoints(attempt).filter(path=path).order_by("-id").first()
+        if source is None:
+            log.warning("%s reported loading %s, which is no checkpoint of its owner's; ignored", attempt, path)
+            return
         Attempt.objects.filter(pk=attempt.pk).update(restored_from=source)
 
 
+def _owners_checkpoints(attempt: Attempt):
+    return Checkpoint.objects.filter(run__owner_id=attempt.run.owner_id)
+
+
+def _record_problem(attempt: Attempt, state: str, path: str, problem) -> None:
+    mine = Checkpoint.objects.filter(run_id=attempt.run_id, path=path)
+    marked = mine.exclude(state=DELETED).update(state=state, problem=str(problem)[:4000])
+    if not marked and Checkpoint.objects.filter(path=path).exclude(run_id=attempt.run_id).exists():
+        log.warning("%s reported %s %s, a checkpoint of another run; ignored", attempt, state, path)
+
+
+def _in_own_directory(attempt: Attempt, path: str) -> bool:
+    """Whether `path` names an entry directly inside the attempt's checkpoint directory (`..` taken out first)."""
+    if not attempt.work_dir:
+        return False
+    own = os.path.normpath(checkpoint_dir_for(Path(attempt.work_dir)))
+    return os.path.dirname(os.path.normpath(path)) == own
+
+
 def _record_commit(attempt: Attempt, event, path: str) -> None:
+    if not _in_own_directory(attempt, path):
+        log.warning(
+            "%s reported committing %s, outside its checkpoint directory %s; ignored",
+            attempt,
+            path,
+            checkpoint_dir_for(Path(attempt.work_dir)) if attempt.work_dir else "(not launched yet)",
+        )
+        return
     payload = event.payload
     # A later save of the same step into the same directory replaced the older one on disk.
     replaced = f"replaced by a save of attempt {attempt.number} under the same name"
-    Checkpoint.objects.filter(path=path, state=COMMITTED).update(state=DELETED, problem=replaced)
+    Checkpoint.objects.filter(run_id=attempt.run_id, path=path, state=COMMITTED).update(state=DELETED, problem=replaced)
     parent_path = payload.get("parent")
-    parent = Checkpoint.objects.filter(path=parent_path).order_by("-id").first() if parent_path else None
+    parent = _owners_checkpoints(attempt).filter(path=parent_path).order_by("-id").first() if parent_path else None
     Checkpoint.objects.create(
         run_id=attempt.run_id,
         attempt=attempt,
@@ -220,8 +267,10 @@ def resumed_config(
     or a directory of them), in another layout when `parallel` is given, with another peak learning rate
     (`lr`) and one more range of steps whose data it skips (`skip_steps`, [first, last]) when given;
     ConfigError says what is wrong. Injected faults rehearse one failure: the attempt that recovers from
-    it runs without them."""
-    document = {**config, "checkpoint": {**config.get("checkpoint", {}), "resume": resume}, "faults": {}}
+    it runs without them. `resume` is a path the platform chose; where the attempt writes is the launcher's to say,
+    so a directory in `config` (stored before the platform refused them) is dropped."""
+    checkpoint = {**config.get("checkpoint", {}), "resume": resume, "directory": None}
+    document = {**config, "checkpoint": checkpoint, "faults": {}}
     if parallel is not None:
         document["parallel"] = {**config.get("parallel", {}), **parallel}
     if steps is not None:

@@ -5,7 +5,7 @@ from typing import Any
 
 from ninja import Router, Schema, Status
 
-from loom.runs.api import FieldErrors
+from loom.api.errors import Body, FieldErrors
 from trainer.config import ConfigError
 
 from . import services
@@ -13,12 +13,12 @@ from . import services
 router = Router(tags=["plan"])
 
 
-class LayoutIn(Schema):
+class LayoutIn(Body):
     config: Any = None
     cluster: Any = None
 
 
-class SearchIn(Schema):
+class SearchIn(Body):
     model: Any = None
     cluster: Any = None
     global_batch: Any = None
@@ -28,9 +28,9 @@ class SearchIn(Schema):
     runnable_only: Any = False
 
 
-class ExportIn(Schema):
+class ExportIn(Body):
     config: Any = None
-    format: Any = None
+    format: str | None = None
 
 
 class ExportWarning(Schema):

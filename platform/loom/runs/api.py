@@ -4,6 +4,7 @@ from typing import Any
 from ninja import Router, Schema, Status
 from ninja.errors import HttpError
 
+from loom.api.errors import Body, FieldErrors, Message, Name
 from loom.telemetry.models import Event
 from loom.telemetry.services import events_after
 from trainer.config import world_size_of
@@ -15,8 +16,8 @@ from .logs import rank_log_files, tail_lines
 router = Router(tags=["runs"])
 
 
-class RunIn(Schema):
-    name: str | None = None
+class RunIn(Body):
+    name: Name | None = None
     config: Any = None
     # Given, the planner's estimate of the config on this cluster is stored with the run.
     cluster: Any = None
@@ -108,14 +109,6 @@ class RunCreatedOut(RunDetailOut):
     @staticmethod
     def resolve_warnings(run):
         return warnings_for(run)
-
-
-class FieldErrors(Schema):
-    errors: dict[str, str]
-
-
-class Message(Schema):
-    detail: str
 
 
 class EventOut(Schema):

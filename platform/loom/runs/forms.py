@@ -1,5 +1,6 @@
 """The new-run form: the config fields a user sets on the page, labelled and explained by the schema."""
 
+import json
 import typing
 from typing import Literal
 
@@ -138,7 +139,7 @@ class NewRunForm(forms.Form):
             target = document
             for section in sections:
                 target = target.setdefault(section, {})
-            target[name] = self[path].value()
+            target[name] = typed_value(self[path].value())
         return self["name"].value(), document
 
     def add_input_errors(self, errors: dict[str, str]) -> None:
@@ -146,6 +147,16 @@ class NewRunForm(forms.Form):
         for key, message in errors.items():
             field = input_for(key)
             self.add_error(field, message if field else f"{key}: {message}")
+
+
+def typed_value(text):
+    """The JSON value an input's text spells ("4" → 4, "true" → true), as the schema is strict about types;
+    any other text goes to it as typed, so its message says what it wanted instead."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return text
+    return value if isinstance(value, int | float) else text
 
 
 def field_label(error_key: str) -> str:

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from loom.accounts.tokens import hash_token, mint_token
+from loom.checkpoints.services import checkpoint_dir_for
 from loom.telemetry.services import record_platform_event
 from trainer.config import world_size_of
 
@@ -58,6 +59,9 @@ def claim_attempt(attempt_id: int, backend: Backend | None = None) -> tuple[Atte
         if not claimed:
             return None
         attempt = Attempt.objects.select_related("run").get(pk=attempt_id)
+        # Known from the moment its token exists: the ingest API takes only commits inside it.
+        attempt.work_dir = str(work_dir_for(attempt))
+        attempt.save(update_fields=["work_dir"])
         mirror_on_run(attempt)
         record_platform_event(attempt.run, attempt, "state", {"attempt": attempt.number, "state": states.STARTING})
     return attempt, token
@@ -72,13 +76,15 @@ def _serialize_claims(backend_name: str) -> None:
 
 
 def work_dir_for(attempt: Attempt) -> Path:
+    """Derived from the run's and the attempt's ids alone: no config names where an attempt writes."""
     return Path(settings.LOOM_RUNS_DIR) / f"run-{attempt.run_id}" / f"attempt-{attempt.number}"
 
 
-def checkpoint_dir_for(work_dir: Path) -> Path:
-    """Each attempt writes its own checkpoints, so a restore from an earlier step never overwrites or
-    retires another attempt's; the config's checkpoint.directory, when set, still wins."""
-    return work_dir / "checkpoints"
+def trainer_config(attempt: Attempt, work_dir: Path) -> dict:
+    """The attempt's config as its ranks read it: checkpoints go to the attempt's own directory, whatever the
+    stored config says (one stored before the platform refused directories may name one)."""
+    checkpoint = {**attempt.config.get("checkpoint", {}), "directory": str(checkpoint_dir_for(work_dir))}
+    return {**attempt.config, "checkpoint": checkpoint}
 
 
 def launch(attempt_id: int) -> str:
@@ -96,8 +102,7 @@ def launch(attempt_id: int) -> str:
     work_dir = work_dir_for(attempt)
     (work_dir / "logs").mkdir(parents=True, exist_ok=True)
     config_path = work_dir / "config.json"
-    config_path.write_text(json.dumps(attempt.config, indent=2))
-    Attempt.objects.filter(pk=attempt.pk).update(work_dir=str(work_dir))
+    config_path.write_text(json.dumps(trainer_config(attempt, work_dir), indent=2))
     try:
         spec = launch_spec(attempt, token, work_dir, config_path, backend)
         handle = backend.submit(spec)

@@ -2,6 +2,8 @@ from datetime import datetime
 
 from ninja import Router, Schema, Status
 
+from loom.api.errors import Body, Text
+
 from . import nodes
 from .backends import current_backend
 
@@ -62,8 +64,8 @@ class NodeTableOut(Schema):
         return table.rows
 
 
-class ExcludeIn(Schema):
-    reason: str = ""
+class ExcludeIn(Body):
+    reason: Text = ""
 
 
 class ExcludedOut(Schema):
@@ -98,7 +100,7 @@ def list_nodes(request):
 
 
 @router.post("/nodes/{name}/exclude", response={200: ExcludedOut, 400: FieldErrors, 503: Message})
-def exclude_node(request, name: str, body: ExcludeIn):
+def exclude_node(request, name: Text, body: ExcludeIn):
     """Leave the node out of the next launches (Slurm's --exclude); runs already on it go on. Excluding an
     excluded node changes nothing: the first reason stands."""
     try:
@@ -110,7 +112,7 @@ def exclude_node(request, name: str, body: ExcludeIn):
 
 
 @router.delete("/nodes/{name}/exclude", response={204: None})
-def include_node(request, name: str):
+def include_node(request, name: Text):
     """Let the next launches use the node again; a node that was not excluded stays as it was."""
     nodes.include_node(current_backend(), name)
     return Status(204, None)

@@ -1,14 +1,19 @@
 """Run business rules: creating, cancelling and moving attempts through their states."""
 
+import re
+
 from celery import current_app
+from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.http import Http404
 from django.utils import timezone
 
+from loom.checkpoints.models import COMMITTED, Checkpoint
 from loom.planner.services import estimate_for_run
 from trainer.config import ConfigError, parse_config
 
 from . import states
+from .limits import launch_limit_errors, owner_limit_errors
 from .models import Attempt, Run
 
 # Celery task names (loom.runs.tasks), sent by name: the tasks import this module, not the other way round.
@@ -28,15 +33,19 @@ class RunConflict(ValueError):
     pass
 
 
-def validate_run_input(name, document, cluster=None) -> tuple[str, dict, dict | None]:
+def validate_run_input(name, document, cluster=None, owner=None) -> tuple[str, dict, dict | None]:
     """The clean name, the config with defaults filled in, and, given a cluster, the planner's
-    estimate of the config on it (its errors keyed "cluster.…" like the config's "config.…")."""
+    estimate of the config on it (its errors keyed "cluster.…" like the config's "config.…").
+    The platform places checkpoints: the config names no directory, and resumes from a checkpoint of
+    `owner`'s by reference (resolved_resume), which the stored config holds as that checkpoint's path."""
     errors: dict[str, str] = {}
     if not isinstance(name, str) or not name.strip():
         errors["name"] = "is required"
     elif len(name.strip()) > 200:
         errors["name"] = "must be at most 200 characters"
     config = None
+    placement_errors, document = resolved_resume(document, owner)
+    errors.update(placement_errors)
     try:
         config = parse_config(document)
     except ConfigError as error:
@@ -53,6 +62,54 @@ def validate_run_input(name, document, cluster=None) -> tuple[str, dict, dict | 
     return name.strip(), clean_config, estimate
 
 
+RESUME_REFERENCES = (
+    '"latest" (the newest in the attempt\'s own directory; a new run has none and starts fresh), '
+    '"checkpoint:<id>" or "run:<id>/step:<n>" (a committed checkpoint of one of your runs)'
+)
+CHECKPOINT_REFERENCE = re.compile(r"^checkpoint:(\d{1,18})$")
+RUN_STEP_REFERENCE = re.compile(r"^run:(\d{1,18})/step:(\d{1,18})$")
+
+
+def resolved_resume(document, owner) -> tuple[dict[str, str], object]:
+    """Field errors for a config that places checkpoints itself, and the document with its resume reference
+    replaced by the path of the owner's committed checkpoint it names. Someone else's checkpoint reads as a
+    missing one: an answer must not tell whether it exists."""
+    section = document.get("checkpoint") if isinstance(document, dict) else None
+    if not isinstance(section, dict):
+        return {}, document
+    errors: dict[str, str] = {}
+    if section.get("directory") is not None:
+        errors["config.checkpoint.directory"] = (
+            "is chosen by the platform: each attempt writes its checkpoints into its own directory under the "
+            "runs directory; leave it out"
+        )
+    resume = section.get("resume")
+    if not isinstance(resume, str) or resume == "latest":
+        return errors, document
+    checkpoint, problem = _referenced_checkpoint(resume, owner)
+    if problem:
+        errors["config.checkpoint.resume"] = problem
+        return errors, document
+    return errors, {**document, "checkpoint": {**section, "resume": checkpoint.path}}
+
+
+def _referenced_checkpoint(reference: str, owner) -> tuple[Checkpoint | None, str]:
+    yours = Checkpoint.objects.filter(run__owner=owner) if owner is not None else Checkpoint.objects.none()
+    if match := CHECKPOINT_REFERENCE.match(reference):
+        found, missing = yours.filter(pk=int(match[1])), f"you have no checkpoint {match[1]}"
+    elif match := RUN_STEP_REFERENCE.match(reference):
+        found = yours.filter(run_id=int(match[1]), step=int(match[2]), state=COMMITTED).order_by("-id")
+        missing = f"you have no run {match[1]} with a committed checkpoint at step {match[2]}"
+    else:
+        return None, f"cannot be a path: the platform places checkpoints; name one by reference: {RESUME_REFERENCES}"
+    checkpoint = found.first()
+    if checkpoint is None:
+        return None, missing
+    if checkpoint.state != COMMITTED:
+        return None, f"checkpoint {checkpoint.pk} is {checkpoint.state} ({checkpoint.problem}); choose a committed one"
+    return checkpoint, ""
+
+
 def estimate_error_key(field: str) -> str:
     return field if field.startswith("cluster") else f"config.{field}"
 
@@ -61,8 +118,14 @@ def create_run(owner, name, document, cluster=None) -> Run:
     """Validate, store the run with its first attempt (and, given a cluster, its estimate on it),
     and queue the launch once committed."""
 
-    clean_name, config, estimate = validate_run_input(name, document, cluster)
+    clean_name, config, estimate = validate_run_input(name, document, cluster, owner)
+    if errors := launch_limit_errors(config):
+        raise RunInputError(errors)
     with transaction.atomic():
+        # Two runs created at once by one owner are counted against the owner's limits one after the other.
+        get_user_model().objects.select_for_update().filter(pk=owner.pk).first()
+        if errors := owner_limit_errors(owner, config):
+            raise RunInputError(errors)
         run = Run.objects.create(owner=owner, name=clean_name, config=config, estimate=estimate)
         queue_attempt(run, config, Attempt.CREATED)
     return run

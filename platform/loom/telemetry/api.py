@@ -9,41 +9,102 @@ from trainer.config import field_errors
 
 from . import charts
 from .charts import ChartInputError
-from .ingest import BatchIn, bearer, read_batch, too_large
+from .ingest import BatchIn, bearer, read_batch, refuse_unless_json, result_answer, too_large
 from .services import IngestRejected, attempt_for_token
 from .store import store_batches
 
 router = Router(tags=["telemetry"])
 
 
+class AttemptToken:
+    """The attempt's own token (`Authorization: Bearer <token>`), as the OpenAPI document names its scheme.
+    It lets every request through to the view, which checks the token itself: ingest's refusals (unknown,
+    expired, another attempt's) carry messages of their own, the same as the ASGI endpoint's."""
+
+    openapi_security_schema = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The token minted for one attempt when it was launched (LOOM_TOKEN in its ranks' environment); "
+        "refused once the attempt has been finished for LOOM_INGEST_GRACE_S.",
+    }
+
+    def __call__(self, request):
+        return True
+
+
+def _inlined(schema: dict) -> dict:
+    """A pydantic JSON schema with its nested models written in place: an operation's schema in the OpenAPI
+    document cannot point into a `$defs` of its own (`#/$defs/…` is resolved from the document's root)."""
+    definitions = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(definitions[node["$ref"].removeprefix("#/$defs/")])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    return resolve(schema)
+
+
+def _json_answer(description: str, schema: dict) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_DETAIL = {"type": "object", "properties": {"detail": {"type": "string"}}, "required": ["detail"]}
+_FIELD_ERRORS = {
+    "type": "object",
+    "properties": {"errors": {"type": "object", "additionalProperties": {"type": "string"}}},
+    "required": ["errors"],
+}
+_BATCH = _inlined(BatchIn.model_json_schema())
+_STORED = {
+    "type": "object",
+    "properties": {"stored": {"type": "integer"}, "duplicate": {"type": "boolean"}},
+    "required": ["stored", "duplicate"],
+}
+
+
 @router.post(
     "/ingest",
-    auth=None,
+    auth=AttemptToken(),
     openapi_extra={
-        "requestBody": {"content": {"application/json": {"schema": BatchIn.model_json_schema()}}, "required": True},
-        "security": [{"AttemptToken": []}],
+        "requestBody": {"content": {"application/json": {"schema": _BATCH}}, "required": True},
+        "responses": {
+            "200": _json_answer("Stored, or already stored (duplicate: the same batch again).", _STORED),
+            "400": _json_answer("A field no stored event may hold, or a body that is not JSON; named.", _FIELD_ERRORS),
+            "401": _json_answer("No token, an unknown one, or a finished attempt's past the grace.", _DETAIL),
+            "403": _json_answer("A batch for another attempt than the token's.", _DETAIL),
+            "409": _json_answer("This (attempt, rank, seq) was stored with other events; kept aside.", _FIELD_ERRORS),
+            "413": _json_answer("More bytes or events than a batch may have.", _DETAIL),
+            "415": _json_answer("A body that is not application/json.", _DETAIL),
+            "503": _json_answer("Busy, or the database is unreachable: send it again later.", _DETAIL),
+        },
     },
 )
 def ingest(request):
     """Store a rank's numbered telemetry batch once (idempotent) with the attempt's own token.
 
-    200 {stored, duplicate}; 400 malformed; 401 unknown token; 403 another attempt's batch; 413 too large;
-    503 busy (retry). Under ASGI the endpoint in ingest_app.py answers this path with the same rules and
+    Under ASGI the endpoint in ingest_app.py answers this path with the same rules (ingest.py) and
     group-commits; this route documents it and serves the Django test client and WSGI.
     """
     try:
         attempt = attempt_for_token(bearer(request.headers.get("Authorization", "")))
+        refuse_unless_json(request.headers.get("Content-Type", ""))
         try:
             body = request.body
         except RequestDataTooBig:
             raise too_large() from None
         batch = read_batch(attempt, body)
     except IngestRejected as rejected:
-        return JsonResponse({"detail": rejected.message}, status=rejected.status)
+        return JsonResponse(rejected.answer(), status=rejected.status)
     except ValidationError as error:
         return JsonResponse({"errors": field_errors(error)}, status=400)
     (result,) = store_batches([batch])
-    return {"stored": result.stored, "duplicate": result.duplicate}
+    status, answer = result_answer(batch, result)
+    return JsonResponse(answer, status=status)
 
 
 # ---- what the run page's charts read (charts.py); plain dicts, sized to the chart ----

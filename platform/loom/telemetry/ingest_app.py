@@ -3,20 +3,23 @@
 Every rank of every run posts here about once a second. Django's request path (middleware, a thread
 per sync view, a connection per request) cost ~10 ms of CPU per batch; this endpoint does only what
 ingest needs (token, size, JSON, schema) on the event loop, looks a token up once per process, and
-hands the batch to the group-commit writer, answering when it is committed.
+hands the batch to the group-commit writer, answering when it is committed. The rules of what it takes are
+ingest.py's.
 """
 
 import json
 import logging
 
+import psycopg
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.db import DataError
 from pydantic import ValidationError
 
 from trainer.config import field_errors
 
-from .ingest import bearer, read_batch, too_large
+from .ingest import bearer, read_batch, refuse_unless_json, result_answer, too_large
 from .services import IngestRejected, attempt_for_token, known_attempt
 from .writer import WriterBusy, writer
 
@@ -31,6 +34,15 @@ DISCARD_LIMIT_BYTES = 64 * 1024 * 1024
 
 
 async def ingest_endpoint(scope, receive, send) -> None:
+    """Every answer is JSON, an unexpected error included (logged with its traceback, answered 500)."""
+    try:
+        await _ingest(scope, receive, send)
+    except Exception:
+        log.exception("ingest failed unexpectedly")
+        await _answer(send, 500, {"detail": "ingest failed unexpectedly; the error is in the platform's log"})
+
+
+async def _ingest(scope, receive, send) -> None:
     if scope["method"] != "POST":
         await _answer(send, 405, {"detail": "POST a telemetry batch"}, [(b"allow", b"POST")])
         return
@@ -39,9 +51,10 @@ async def ingest_endpoint(scope, receive, send) -> None:
         body = await _body(receive, settings.LOOM_INGEST_MAX_BYTES)
         token = bearer(headers.get(b"authorization", b"").decode("latin-1"))
         attempt = known_attempt(token) or await _attempt_for_token(token)
+        refuse_unless_json(headers.get(b"content-type", b"").decode("latin-1"))
         batch = read_batch(attempt, body) if len(body) <= SMALL_BODY_BYTES else await _read_batch(attempt, body)
     except IngestRejected as rejected:
-        await _answer(send, rejected.status, {"detail": rejected.message})
+        await _answer(send, rejected.status, rejected.answer())
         return
     except ValidationError as error:
         await _answer(send, 400, {"errors": field_errors(error)})
@@ -51,11 +64,18 @@ async def ingest_endpoint(scope, receive, send) -> None:
     except WriterBusy as busy:
         await _answer(send, 503, {"detail": f"{busy}; retry"}, [(b"retry-after", b"1")])
         return
+    except (DataError, psycopg.DataError) as error:
+        # Validation should have refused it; the database's word is final for this batch, so the sender
+        # must not retry it.
+        log.exception("the database refused batch %s of rank %s (attempt %s)", batch.seq, batch.rank, batch.attempt_id)
+        await _answer(send, 400, {"errors": {"events": f"the database refused them: {error}"}})
+        return
     except Exception:
         log.exception("storing batch %s of rank %s (attempt %s) failed", batch.seq, batch.rank, batch.attempt_id)
         await _answer(send, 503, {"detail": "the batch could not be stored; retry"}, [(b"retry-after", b"1")])
         return
-    await _answer(send, 200, {"stored": result.stored, "duplicate": result.duplicate})
+    status, answer = result_answer(batch, result)
+    await _answer(send, status, answer)
 
 
 async def _body(receive, limit: int) -> bytes:

@@ -70,10 +70,30 @@ class IngestBatch(models.Model):
     seq = models.BigIntegerField()
     event_count = models.IntegerField()
     received_at = models.DateTimeField(auto_now_add=True)
+    # The stored events' fingerprint (store.content_digest): the same key sent again with other events is a
+    # conflict, not a retry. Empty for batches stored before it was recorded.
+    digest = models.CharField(max_length=32, blank=True, default="")
 
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["attempt", "rank", "seq"], name="batch_unique_per_attempt_rank_seq")
+        ]
+
+
+class IngestConflict(models.Model):
+    """A batch sent under an (attempt, rank, seq) already stored with other events: answered 409 and kept
+    here, events and all, since storing it would break exactly-once and dropping it would lose what a rank sent."""
+
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="batch_conflicts")
+    rank = models.IntegerField()
+    seq = models.BigIntegerField()
+    digest = models.CharField(max_length=32)
+    events = models.JSONField()
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["attempt", "rank", "seq", "digest"], name="conflict_unique_per_content")
         ]
 
 

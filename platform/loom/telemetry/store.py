@@ -6,6 +6,7 @@ events are projected into the tables the charts read (RankStep, RankTile, RankSt
 commit in writer.py calls this with whatever batches arrived together; a single batch is a list of one.
 """
 
+import hashlib
 import json
 import logging
 from collections import defaultdict
@@ -18,12 +19,15 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from . import bulk
-from .models import Event, wire_fields
+from .models import Event, IngestConflict, wire_fields
 from .publish import publish
 
 log = logging.getLogger(__name__)
 
 LAUNCHER_RANK = -1
+# What the integer columns hold (PostgreSQL's int and bigint): a value beyond them is no row.
+INT_MAX = 2**31 - 1
+BIGINT_MAX = 2**63 - 1
 # A tile sums this many consecutive steps of one rank; a chart picks the coarsest that still gives
 # it enough columns (queries.py). Powers of 8 keep every level within 8× of the width asked for.
 TILE_SPANS = (8, 64, 512, 4096)
@@ -36,6 +40,7 @@ BATCHES = bulk.Table(
         ("seq", "bigint"),
         ("event_count", "int"),
         ("received_at", "timestamptz"),
+        ("digest", "text"),
     ),
 )
 EVENTS = bulk.Table(
@@ -119,6 +124,8 @@ class PendingBatch:
     rank: int
     seq: int
     events: list[dict]
+    # content_digest(events): a batch sent again under its key must be the same batch. Empty: not known.
+    digest: str = ""
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -129,6 +136,14 @@ class PendingBatch:
 class IngestResult:
     stored: int
     duplicate: bool
+    # Its key was stored before with other events: this batch was kept aside (IngestConflict), not stored.
+    conflict: bool = False
+
+
+def content_digest(events: list[dict]) -> str:
+    """The events' fingerprint: equal for the same events, whatever order their payloads' keys came in."""
+    encoded = json.dumps(events, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(encoded, digest_size=16).hexdigest()
 
 
 # Sent inside the storing transaction with every newly stored event (`events`, StoredEvents in seq order).
@@ -138,17 +153,21 @@ events_stored = Signal()
 
 
 def store_batches(batches: list[PendingBatch]) -> list[IngestResult]:
-    """Store every batch not stored before, all or nothing; answers in the order given."""
+    """Store every batch not stored before, all or nothing; answers in the order given. A batch whose key
+    was stored with other events is kept aside as a conflict, so nothing a rank sent is silently dropped."""
     with transaction.atomic():
         with bulk.pipelined():
             fresh = _claim(batches)
             new = [batch for batch, is_new in zip(batches, fresh, strict=True) if is_new]
             events = _append(new)
             _project(events)
+        conflicts = _conflicting([batch for batch, is_new in zip(batches, fresh, strict=True) if not is_new])
         if events:
             events_stored.send(sender=StoredEvent, events=events)
     return [
-        IngestResult(stored=len(batch.events), duplicate=False) if is_new else IngestResult(stored=0, duplicate=True)
+        IngestResult(stored=len(batch.events), duplicate=False)
+        if is_new
+        else IngestResult(stored=0, duplicate=id(batch) not in conflicts, conflict=id(batch) in conflicts)
         for batch, is_new in zip(batches, fresh, strict=True)
     ]
 
@@ -160,10 +179,42 @@ def _claim(batches: list[PendingBatch]) -> list[bool]:
     for index, batch in enumerate(batches):
         first_of_key.setdefault(batch.key, index)
     now = _db_time(timezone.now())
-    rows = [(*batches[index].key, len(batches[index].events), now) for index in first_of_key.values()]
+    rows = [
+        (*batches[index].key, len(batches[index].events), now, batches[index].digest) for index in first_of_key.values()
+    ]
     conflict = "ON CONFLICT (attempt_id, rank, seq) DO NOTHING"
     claimed = set(bulk.insert(BATCHES, rows, conflict, returning="attempt_id, rank, seq"))
     return [first_of_key[batch.key] == index and batch.key in claimed for index, batch in enumerate(batches)]
+
+
+def _conflicting(repeated: list[PendingBatch]) -> set[int]:
+    """Of batches whose key was already stored, those (by id()) that differ from what was stored under it;
+    each is kept in IngestConflict with its events. A retry, the same batch again, is no conflict."""
+    known = [batch for batch in repeated if batch.digest]
+    if not known:
+        return set()
+    keys = sorted({batch.key for batch in known})
+    rows = ", ".join(["(%s, %s, %s)"] * len(keys))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT attempt_id, rank, seq, digest FROM {BATCHES.name} "
+            f"WHERE (attempt_id, rank, seq) IN (VALUES {rows})",
+            [part for key in keys for part in key],
+        )
+        stored_digest = {(attempt_id, rank, seq): digest for attempt_id, rank, seq, digest in cursor.fetchall()}
+    conflicting = [batch for batch in known if stored_digest.get(batch.key) not in ("", batch.digest)]
+    IngestConflict.objects.bulk_create(
+        [
+            IngestConflict(
+                attempt_id=batch.attempt_id, rank=batch.rank, seq=batch.seq, digest=batch.digest, events=batch.events
+            )
+            for batch in conflicting
+        ],
+        ignore_conflicts=True,
+    )
+    if conflicting:
+        log.warning("kept aside %d batches sent again with other events: %s", len(conflicting), conflicting[0].key)
+    return {id(batch) for batch in conflicting}
 
 
 def _db_time(moment: datetime):
@@ -263,9 +314,10 @@ def _number(value) -> float | None:
     return float(value) if value == value and abs(value) != float("inf") else None
 
 
-def _whole(value) -> int | None:
+def _whole(value, highest: int = BIGINT_MAX) -> int | None:
+    """A payload number as a whole number for an integer column; None beyond what the column holds."""
     number = _number(value)
-    return int(number) if number is not None else None
+    return int(number) if number is not None and -highest <= number <= highest else None
 
 
 def rank_step_row(run_id: int, attempt_id: int, rank: int, step: int, time, payload: dict) -> tuple:
@@ -350,7 +402,7 @@ def _record_heartbeats(heartbeats: list[StoredEvent]) -> None:
             event.batch.attempt_id,
             event.rank,
             str(event.payload.get("host") or "")[:255],
-            _whole(event.payload.get("pid")),
+            _whole(event.payload.get("pid"), INT_MAX),
             _db_time(event.time),
             heard_at,
             event.step,

@@ -19,6 +19,7 @@ from django.conf import settings
 import loom
 
 from . import ENDED, RUNNING, UNKNOWN, LaunchSpec, NodeInfo, Observation
+from .environment import rank_environment
 from .local_supervisor import EXIT_RECORD, TORCHRUN_RECORD
 from .process_tree import live_group_members, same_process, signal_pid, started_at, stop_orphaned_group
 
@@ -54,7 +55,7 @@ class LocalBackend:
             str(spec.work_dir), str(settings.LOOM_CANCEL_GRACE_S), "--", *torchrun,
         ]  # fmt: skip
         python_path = os.pathsep.join(filter(None, [str(PLATFORM_ROOT), str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, **spec.env, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
+        env = rank_environment(os.environ, {**spec.env, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"})
         with open(spec.work_dir / "logs" / "supervisor.log", "ab") as log:
             supervisor = subprocess.Popen(
                 command, cwd=spec.work_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

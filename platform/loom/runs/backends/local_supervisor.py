@@ -3,9 +3,10 @@ outlives the Celery worker that started it (a worker restart or `kill -9` leaves
 
 It runs torchrun, reports RUNNING as the launcher (rank -1) through the ingest API, stops torchrun's whole
 tree on SIGTERM (a cancel) within the grace period, and once torchrun has ended delivers what the ranks left
-spooled (checkpoint commits included, which a restart needs), reports the final state with its failure class,
-and last writes <work_dir>/exit.json: the reconciler ends the attempt from that record, or from the logs,
-when the report never arrived. Imports no Django: it needs only the trainer's telemetry client.
+spooled (checkpoint commits included, which a restart needs), reports the final state with its failure class
+and how many batches the platform refused (set aside in the spools' rejected/ folders), and last writes
+<work_dir>/exit.json: the reconciler ends the attempt from that record, or from the logs, when the report
+never arrived. Imports no Django: it needs only the trainer's telemetry client.
 
     python -m loom.runs.backends.local_supervisor <work_dir> <grace_s> -- <torchrun command…>
 """
@@ -18,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from trainer.telemetry import TelemetryClient, deliver_spool
+from trainer.telemetry import TelemetryClient, deliver_spool, set_aside_count
 
 from ..failures import classify
 from .process_tree import started_at, stop_process_group
@@ -32,7 +33,10 @@ TORCHRUN_RECORD = "torchrun.json"
 
 
 def report_final_state(reporter: TelemetryClient, number: int, exit_code: int, cancelled: bool, work_dir: Path):
-    final: dict = {"attempt": number, "exit_code": exit_code}
+    # The batches the platform refused for good, of the ranks and of the launcher itself: set aside in the
+    # spools (not lost, not retried), counted where the platform shows the attempt's end.
+    set_aside = set_aside_count(work_dir / "spool") + set_aside_count(reporter.spool_dir)
+    final: dict = {"attempt": number, "exit_code": exit_code, "batches_set_aside": set_aside}
     if cancelled:
         final |= {"state": "cancelled", "reason": "cancelled by user"}
     elif exit_code == 0:

@@ -19,6 +19,7 @@ from pathlib import Path
 from django.conf import settings
 
 from . import ENDED, PENDING, RUNNING, UNKNOWN, LaunchSpec, NodeInfo, Observation
+from .environment import rank_environment
 
 COMMAND_TIMEOUT_S = 30
 SQUEUE_FIELDS = ("JobID", "State", "Reason", "NodeList", "exit_code")
@@ -256,7 +257,11 @@ class SlurmBackend:
         # It holds the attempt's token: readable by the user loom runs as only (sbatch reads it as that user).
         script.touch(mode=0o600)
         script.write_text(batch_script(spec, settings.LOOM_SLURM_PARTITION, settings.LOOM_SLURM_ACCOUNT))
-        output = self._slurm("sbatch", "--parsable", str(script), cwd=work_dir).stdout.strip()
+        # The job starts with sbatch's environment (Slurm's --export=ALL): sbatch gets the ranks' allow-list, not
+        # the worker's secrets; the script exports the attempt's own variables.
+        output = self._slurm(
+            "sbatch", "--parsable", str(script), cwd=work_dir, environment=rank_environment(os.environ, {})
+        ).stdout.strip()
         # --parsable prints "<id>" or "<id>;<cluster>".
         return {"job_id": output.split(";")[0]}
 
@@ -322,8 +327,12 @@ class SlurmBackend:
         unusable = [node for node in nodes if node.state.startswith(UNUSABLE_NODE_STATES)]
         return {node.name: f"{node.state}: {node.reason}" if node.reason else node.state for node in unusable}
 
-    def _slurm(self, *command: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
-        env = {**os.environ, "SLURM_CONF": settings.LOOM_SLURM_CONF} if settings.LOOM_SLURM_CONF else None
+    def _slurm(
+        self, *command: str, check: bool = True, cwd: Path | None = None, environment: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        env = dict(os.environ if environment is None else environment)
+        if settings.LOOM_SLURM_CONF:
+            env["SLURM_CONF"] = settings.LOOM_SLURM_CONF
         try:
             result = subprocess.run(
                 command, capture_output=True, text=True, env=env, cwd=cwd, timeout=COMMAND_TIMEOUT_S
