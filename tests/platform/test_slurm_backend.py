@@ -82,6 +82,16 @@ def test_squeue_lines_give_each_jobs_state_reason_nodes_and_exit_code():
     assert jobs["11"] == job("NODE_FAIL", "NodeDown", "n[1,3]", -15)
 
 
+def test_one_rule_says_which_nodes_a_launch_may_count_on():
+    usable = ["idle", "mixed", "allocated", "completing", "planned"]
+    unusable = ["down", "drained", "draining", "drain", "fail", "failing", "unknown", "inval", "idle+drain",
+                "mixed+drain", "not_responding"]  # fmt: skip
+    assert [state for state in usable + unusable if NodeInfo("n1", state, cpus=2, gpus=0).usable] == usable
+    assert {node.name: node.usable for node in parse_sinfo_nodes(SINFO)} == {
+        "n1": True, "n2": True, "n3": False, "gpu07": False, "gpu08": True
+    }  # fmt: skip
+
+
 def test_scontrol_gives_the_same_fields_as_squeue():
     assert parse_scontrol_job(SCONTROL_NODE_FAIL) == job("NODE_FAIL", "NodeDown", "n[1,3]", -15)
     assert parse_scontrol_job(SCONTROL_FAILED) == job("FAILED", "NonZeroExitCode", "n[1-2]", 143)

@@ -28,8 +28,6 @@ from .services import locked_attempt, move_attempt, queue_attempt
 log = logging.getLogger(__name__)
 
 DEFAULT_EXCLUDE_AFTER_FAILURES = 2
-# Node states (as backends report them, lower case) that mean the node itself failed.
-UNHEALTHY_NODE_STATES = frozenset({"down", "drained", "draining", "fail", "failing", "not_responding", "unknown"})
 
 
 @dataclass(frozen=True)
@@ -127,7 +125,7 @@ def _judge_failed_nodes(attempt: Attempt) -> list[str]:
     at restart.exclude_after_failures it is excluded from every later launch until someone includes it again."""
     backend = backend_named(attempt.backend or "local")
     try:
-        unhealthy = {node.name for node in reported_nodes(backend) if node.state.split("+")[0] in UNHEALTHY_NODE_STATES}
+        unhealthy = {node.name for node in reported_nodes(backend) if not node.usable}
     except BackendUnavailable as error:
         log.warning("%s failed on a node, and its backend could not say which: %s", attempt, error)
         return []

@@ -16,7 +16,6 @@ from trainer.plan.parameters import total_parameters
 
 from . import states
 from .backends import Backend, current_backend
-from .backends.slurm import UNUSABLE_NODE_STATES
 from .models import Run
 from .nodes import excluded_names
 
@@ -94,7 +93,7 @@ def rank_capacity(backend: Backend) -> Capacity | None:
         slots = settings.LOOM_LOCAL_CPU_SLOTS
         return Capacity(backend.name, slots, f"{slots} CPU rank slots, LOOM_LOCAL_CPU_SLOTS")
     excluded = set(excluded_names(backend))
-    usable = [node for node in nodes if not node.state.startswith(UNUSABLE_NODE_STATES) and node.name not in excluded]
+    usable = [node for node in nodes if node.usable and node.name not in excluded]
     per_node = settings.LOOM_RANKS_PER_NODE
     return Capacity(
         backend.name, len(usable) * per_node, f"{len(usable)} usable nodes × {per_node} ranks, LOOM_RANKS_PER_NODE"

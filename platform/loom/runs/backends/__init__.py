@@ -53,6 +53,16 @@ class NodeInfo:
     gpus: int
     reason: str = ""  # why a node is down or drained, when the backend says
 
+    @property
+    def usable(self) -> bool:
+        """Whether a launch may count on the node: none of its states ("idle+drain" holds two; "down*" is down
+        and not responding) says it is down, draining or drained, failing, invalid, or unknown to its
+        controller. The one rule for the capacity at launch, the nodes a restart avoids and node failures."""
+        return not any(part.startswith(UNUSABLE_NODE_STATES) for part in self.state.split("+"))
+
+
+UNUSABLE_NODE_STATES = ("down", "drain", "fail", "not_responding", "no_respond", "inval", "unknown")
+
 
 class Backend(Protocol):
     name: str

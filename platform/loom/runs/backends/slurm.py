@@ -45,8 +45,6 @@ BACKEND_ENDS = {
     "REVOKED": ("cancelled", "job {job} was revoked (it started on another federated cluster)"),
 }
 PROGRAM_ENDS = frozenset({"COMPLETED", "FAILED", "SPECIAL_EXIT"})
-# sinfo's states of a node that cannot run jobs (drained, draining, down, failing, …).
-UNUSABLE_NODE_STATES = ("down", "drain", "fail", "not_responding", "inval")
 # What scancel says of a job that has already ended or been forgotten: cancelling it again is done.
 FINISHED_JOB_ERRORS = re.compile(r"Invalid job id|already completing or completed|Job/step already", re.IGNORECASE)
 
@@ -324,7 +322,7 @@ class SlurmBackend:
             nodes = self.nodes()
         except SlurmCommandError:
             return {}
-        unusable = [node for node in nodes if node.state.startswith(UNUSABLE_NODE_STATES)]
+        unusable = [node for node in nodes if not node.usable]
         return {node.name: f"{node.state}: {node.reason}" if node.reason else node.state for node in unusable}
 
     def _slurm(
