@@ -84,6 +84,9 @@ AXES_FAILURE_LIMIT = int(os.environ.get("LOOM_LOGIN_FAILURE_LIMIT", "10"))
 AXES_COOLOFF_TIME = timedelta(minutes=float(os.environ.get("LOOM_LOGIN_COOLOFF_MIN", "15")))
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
 AXES_RESET_ON_SUCCESS = True
+# Behind the TLS proxy every login comes from the proxy's address: one stranger's ten failures would lock
+# everyone out. The client is the address the proxy put last in X-Forwarded-For.
+AXES_CLIENT_IP_CALLABLE = "loom.accounts.client_address.client_address"
 
 ROOT_URLCONF = "loom.urls"
 ASGI_APPLICATION = "loom.asgi.application"

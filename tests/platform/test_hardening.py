@@ -126,6 +126,28 @@ def test_an_address_is_locked_after_the_failure_limit_for_any_account(ada):
 
 
 @pytest.mark.django_db
+def test_behind_the_tls_proxy_an_address_is_the_one_the_proxy_forwarded(ada, settings):
+    """Every login reaches the platform from the proxy: one stranger's failures lock the stranger's address, not
+    everyone's, and what a client writes into X-Forwarded-For itself does not move it to a fresh address."""
+    settings.LOOM_HTTPS = True
+    (user, password), limit = ada, settings.AXES_FAILURE_LIMIT
+    proxy = "172.18.0.5"
+    statuses = [
+        log_in(Client(REMOTE_ADDR=proxy, HTTP_X_FORWARDED_FOR=f"10.9.{attempt}.1, 198.51.100.7"), f"guess{attempt}",
+               "wrong password").status_code
+        for attempt in range(limit)
+    ]  # fmt: skip
+    assert statuses == [200] * (limit - 1) + [429]
+    assert (
+        log_in(Client(REMOTE_ADDR=proxy, HTTP_X_FORWARDED_FOR="198.51.100.7"), user.username, password).status_code
+        == 429
+    )
+    colleague = Client(REMOTE_ADDR=proxy, HTTP_X_FORWARDED_FOR="203.0.113.20")
+    assert log_in(colleague, user.username, password).status_code == 302
+    assert logged_in(colleague)
+
+
+@pytest.mark.django_db
 def test_failures_below_the_limit_let_the_right_password_in(ada):
     (user, password), limit = ada, settings.AXES_FAILURE_LIMIT
     client = Client(REMOTE_ADDR="10.0.4.1")
