@@ -59,6 +59,20 @@ def test_a_token_first_seen_while_its_attempt_ran_is_refused_once_it_has_finishe
     assert event_count(run, kind="metric") == 3
 
 
+def test_a_finished_attempts_token_reads_its_pins_within_the_grace_and_not_after_it(client, platform_user, settings):
+    run, attempt, token = claimed_run(platform_user[0])
+    finish(attempt, seconds_ago=60)
+
+    def pins():
+        return client.get("/api/checkpoints/pinned", HTTP_AUTHORIZATION=f"Bearer {token}")
+
+    settings.LOOM_INGEST_GRACE_S = 120
+    assert pins().status_code == 200
+    settings.LOOM_INGEST_GRACE_S = 30
+    refused = pins()
+    assert refused.status_code == 401 and "expired" in refused.json()["detail"]
+
+
 def test_a_rank_beyond_the_attempts_world_size_is_refused(client, platform_user):
     run, attempt, token = claimed_run(platform_user[0])  # 2 ranks
     response = post(client, batch(attempt, rank=57), token)

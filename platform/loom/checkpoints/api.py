@@ -8,7 +8,7 @@ from loom.api.errors import Body, FieldErrors, Name
 from loom.runs import services as run_services
 from loom.runs.models import Attempt, Run
 from loom.telemetry.ingest import bearer
-from loom.telemetry.services import IngestRejected, attempt_for_token
+from loom.telemetry.services import IngestRejected, attempt_for_token, refuse_expired_token
 from trainer.config import AlertsConfig
 
 from . import services
@@ -102,9 +102,11 @@ def unpin_checkpoint(request, run_id: int, checkpoint_id: int):
 def pinned_checkpoints(request):
     """For a running attempt's retention, with the attempt's own token: its run's pinned checkpoints and the
     last step its alerts have judged (null when its alerts are off: nothing to wait for),
-    {"pinned": {path: [why, …]}, "judged_through": n}. 401 for an unknown token."""
+    {"pinned": {path: [why, …]}, "judged_through": n}. 401 for an unknown token, or one whose attempt
+    finished longer than LOOM_INGEST_GRACE_S ago."""
     try:
         ref = attempt_for_token(bearer(request.headers.get("Authorization", "")))
+        refuse_expired_token(ref)
     except IngestRejected as rejected:
         return JsonResponse({"detail": rejected.message}, status=rejected.status)
     attempt = Attempt.objects.get(pk=ref.attempt_id)
