@@ -133,6 +133,13 @@ def test_resuming_by_reference_stores_the_path_of_ones_own_committed_checkpoint(
     assert by_id.attempts.get().config["checkpoint"]["resume"] == own_checkpoint(attempt, 20)
     assert by_step.config["checkpoint"]["resume"] == own_checkpoint(attempt, 30)
     assert latest.config["checkpoint"]["resume"] == "latest"
+    # Each resumes from the run it names: a fork of it, in its lineage from the start.
+    by_id_first, latest_first = by_id.attempts.get(), latest.attempts.get()
+    assert (by_id.forked_from.step, by_id_first.restored_from.step) == (20, 20)
+    assert (by_step.forked_from.step, by_step.attempts.get().restored_from.step) == (30, 30)
+    assert (latest.forked_from, latest_first.restored_from) == (None, None)
+    queued = by_id.events.get(kind="state", payload__state="queued").payload
+    assert (queued["checkpoint"], queued["step"]) == (by_id.forked_from.pk, 20)
     # Retention took step 10 away: it is no longer there to resume from.
     BatchSender(attempt).send(1, checkpoint_event("deleted", 10, own_checkpoint(attempt, 10)))
     gone = run.checkpoints.get(step=10)

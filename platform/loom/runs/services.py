@@ -33,10 +33,10 @@ class RunConflict(ValueError):
     pass
 
 
-def validate_run_input(name, document, cluster=None, owner=None) -> tuple[str, dict, dict | None]:
-    """The clean name, the config with defaults filled in, and, given a cluster, the planner's
-    estimate of the config on it (its errors keyed "cluster.…" like the config's "config.…").
-    The platform places checkpoints: the config names no directory, and resumes from a checkpoint of
+def validate_run_input(name, document, cluster=None, owner=None) -> tuple[str, dict, dict | None, Checkpoint | None]:
+    """The clean name, the config with defaults filled in, given a cluster the planner's estimate of the
+    config on it (its errors keyed "cluster.…" like the config's "config.…"), and the checkpoint it resumes
+    from. The platform places checkpoints: the config names no directory, and resumes from a checkpoint of
     `owner`'s by reference (resolved_resume), which the stored config holds as that checkpoint's path."""
     errors: dict[str, str] = {}
     if not isinstance(name, str) or not name.strip():
@@ -44,7 +44,7 @@ def validate_run_input(name, document, cluster=None, owner=None) -> tuple[str, d
     elif len(name.strip()) > 200:
         errors["name"] = "must be at most 200 characters"
     config = None
-    placement_errors, document = resolved_resume(document, owner)
+    placement_errors, document, source = resolved_resume(document, owner)
     errors.update(placement_errors)
     try:
         config = parse_config(document)
@@ -59,7 +59,7 @@ def validate_run_input(name, document, cluster=None, owner=None) -> tuple[str, d
             errors.update({estimate_error_key(field): message for field, message in error.errors.items()})
     if errors:
         raise RunInputError(errors)
-    return name.strip(), clean_config, estimate
+    return name.strip(), clean_config, estimate, source
 
 
 RESUME_REFERENCES = (
@@ -70,13 +70,13 @@ CHECKPOINT_REFERENCE = re.compile(r"^checkpoint:(\d{1,18})$")
 RUN_STEP_REFERENCE = re.compile(r"^run:(\d{1,18})/step:(\d{1,18})$")
 
 
-def resolved_resume(document, owner) -> tuple[dict[str, str], object]:
-    """Field errors for a config that places checkpoints itself, and the document with its resume reference
-    replaced by the path of the owner's committed checkpoint it names. Someone else's checkpoint reads as a
-    missing one: an answer must not tell whether it exists."""
+def resolved_resume(document, owner) -> tuple[dict[str, str], object, Checkpoint | None]:
+    """Field errors for a config that places checkpoints itself, the document with its resume reference
+    replaced by the path of the owner's committed checkpoint it names, and that checkpoint. Someone else's
+    checkpoint reads as a missing one: an answer must not tell whether it exists."""
     section = document.get("checkpoint") if isinstance(document, dict) else None
     if not isinstance(section, dict):
-        return {}, document
+        return {}, document, None
     errors: dict[str, str] = {}
     if section.get("directory") is not None:
         errors["config.checkpoint.directory"] = (
@@ -85,12 +85,12 @@ def resolved_resume(document, owner) -> tuple[dict[str, str], object]:
         )
     resume = section.get("resume")
     if not isinstance(resume, str) or resume == "latest":
-        return errors, document
+        return errors, document, None
     checkpoint, problem = _referenced_checkpoint(resume, owner)
     if problem:
         errors["config.checkpoint.resume"] = problem
-        return errors, document
-    return errors, {**document, "checkpoint": {**section, "resume": checkpoint.path}}
+        return errors, document, None
+    return errors, {**document, "checkpoint": {**section, "resume": checkpoint.path}}, checkpoint
 
 
 def _referenced_checkpoint(reference: str, owner) -> tuple[Checkpoint | None, str]:
@@ -118,7 +118,7 @@ def create_run(owner, name, document, cluster=None) -> Run:
     """Validate, store the run with its first attempt (and, given a cluster, its estimate on it),
     and queue the launch once committed."""
 
-    clean_name, config, estimate = validate_run_input(name, document, cluster, owner)
+    clean_name, config, estimate, source = validate_run_input(name, document, cluster, owner)
     if errors := launch_limit_errors(config):
         raise RunInputError(errors)
     with transaction.atomic():
@@ -126,8 +126,9 @@ def create_run(owner, name, document, cluster=None) -> Run:
         get_user_model().objects.select_for_update().filter(pk=owner.pk).first()
         if errors := owner_limit_errors(owner, config):
             raise RunInputError(errors)
-        run = Run.objects.create(owner=owner, name=clean_name, config=config, estimate=estimate)
-        queue_attempt(run, config, Attempt.CREATED)
+        # A run that resumes from a checkpoint of another run is that run's fork, in its lineage from the start.
+        run = Run.objects.create(owner=owner, name=clean_name, config=config, estimate=estimate, forked_from=source)
+        queue_attempt(run, config, Attempt.CREATED, source=source)
     return run
 
 
