@@ -492,7 +492,7 @@ class Deployment:
             try:
                 body = json.loads(text)
             except ValueError:
-                body = {"detail": text.decode(errors="replace")[:2000]}
+                body = {"errors": {"body": text.decode(errors="replace")[:2000]}}
             return Answer(error.code, body)
 
     def post_run(self, config: dict, name: str = "fault test") -> Answer:

@@ -19,7 +19,7 @@
         return;
       }
       const answer = await response.json().catch(() => ({}));
-      loom.showFieldErrors(form, errors, answer.errors || { node: answer.detail || `HTTP ${response.status}` });
+      loom.showFieldErrors(form, errors, answer.errors || { node: `HTTP ${response.status}` });
     } catch (error) {
       loom.showFieldErrors(form, errors, { node: error.message });
     } finally {

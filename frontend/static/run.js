@@ -338,7 +338,7 @@
     cancelButton.disabled = true;
     try {
       const response = await loom.post(`${page.apiUrl}/cancel`);
-      if (response.status === 409) showNotice((await response.json()).detail);
+      if (response.status === 409) showNotice(Object.values((await response.json()).errors).join("; "));
       else if (!response.ok) showNotice(`Cancel failed: HTTP ${response.status}`);
     } catch (error) {
       showNotice(`Cancel failed: ${error.message}`);
@@ -576,7 +576,7 @@
       try {
         const response = await loom.post(`${page.urls.checkpoints}/${checkpoint.id}/${change}`);
         const answer = await response.json();
-        if (!response.ok) throw new Error(Object.values(answer.errors ?? {}).join("; ") || answer.detail);
+        if (!response.ok) throw new Error(Object.values(answer.errors ?? {}).join("; ") || `HTTP ${response.status}`);
         await refreshDetails();
       } catch (error) {
         showNotice(`Could not ${change} the checkpoint of step ${checkpoint.step} (${error.message}).`);

@@ -15,7 +15,7 @@
     const response = await window.loom.post(url, body);
     const answer = await response.json().catch(() => ({}));
     if (!response.ok) {
-      const errors = answer.errors ? Object.values(answer.errors).join("; ") : answer.detail || response.statusText;
+      const errors = answer.errors ? Object.values(answer.errors).join("; ") : response.statusText;
       show(`Could not do that: ${errors}`);
       return;
     }

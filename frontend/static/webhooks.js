@@ -25,7 +25,7 @@
         return;
       }
       const answer = await response.json().catch(() => ({}));
-      const errors = answer.errors || { webhook: answer.detail || `HTTP ${response.status}` };
+      const errors = answer.errors || { webhook: `HTTP ${response.status}` };
       loom.showFieldErrors(form, formErrors, errors);
     } catch (error) {
       loom.showFieldErrors(form, formErrors, { webhook: error.message });

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from loom.api.errors import UNAUTHORIZED
 from loom.runs import states
 from loom.runs.hardware import launch_gpus, launch_warnings, planner_gpu
 from loom.runs.models import Run
@@ -234,7 +235,7 @@ def test_openapi_schema_answers_a_script_with_its_api_token(client, platform_use
     assert "/api/runs" in response.json()["paths"]
     refused = api(client, "get", "/api/openapi.json", "loom_not-a-token")
     assert refused.status_code == 401
-    assert refused.json() == {"detail": "Unauthorized"}
+    assert refused.json() == {"errors": {"authorization": UNAUTHORIZED}}
     _, _, attempt_token = claimed_run(platform_user[0])
     assert api(client, "get", "/api/openapi.json", attempt_token).status_code == 401
 

@@ -44,7 +44,7 @@ def test_a_finished_attempts_token_stores_within_the_grace_and_is_refused_after_
     settings.LOOM_INGEST_GRACE_S = 30
     refused = post(client, batch(attempt, seq=1), token)
     assert refused.status_code == 401
-    assert "expired" in refused.json()["detail"]
+    assert "expired" in refused.json()["errors"]["token"]
     assert event_count(run, kind="metric") == 3
     assert not IngestBatch.objects.filter(attempt=attempt, seq=1).exists()
 
@@ -70,7 +70,7 @@ def test_a_finished_attempts_token_reads_its_pins_within_the_grace_and_not_after
     assert pins().status_code == 200
     settings.LOOM_INGEST_GRACE_S = 30
     refused = pins()
-    assert refused.status_code == 401 and "expired" in refused.json()["detail"]
+    assert refused.status_code == 401 and "expired" in refused.json()["errors"]["token"]
 
 
 def test_a_rank_beyond_the_attempts_world_size_is_refused(client, platform_user):
@@ -95,7 +95,7 @@ def test_a_body_that_is_not_application_json_is_refused(client, platform_user):
     before = event_count(run)
     response = post(client, batch(attempt), token, content_type="text/plain")
     assert response.status_code == 415
-    assert "application/json" in response.json()["detail"]
+    assert "application/json" in response.json()["errors"]["content_type"]
     assert event_count(run) == before
 
 
@@ -230,7 +230,7 @@ def test_the_endpoint_refuses_a_body_that_is_not_application_json(platform_serve
     run, attempt, token = claimed_run(platform_user[0])
     body = json.dumps(batch(attempt)).encode()
     status, answer = http_post(platform_server.url, token, body, content_type="text/plain")
-    assert status == 415 and "application/json" in answer["detail"]
+    assert status == 415 and "application/json" in answer["errors"]["content_type"]
     assert http_post(platform_server.url, token, body, content_type="application/json; charset=utf-8")[0] == 200
     assert event_count(run, kind="metric") == 3
 

@@ -264,7 +264,8 @@ def test_a_backend_that_cannot_list_its_nodes_says_why_and_still_lists_the_exclu
         ("n2", nodes.NOT_REPORTED, "ECC errors")
     ]
     response = api(client, "post", "/api/nodes/n1/exclude", token, {"reason": "slow"})
-    assert (response.status_code, response.json()) == (503, {"detail": f"{why}; try again once it answers"})
+    assert response.status_code == 503
+    assert response.json() == {"errors": {"backend": f"{why}; try again once it answers"}}
     assert api(client, "delete", "/api/nodes/n2/exclude", token).status_code == 204
     assert not ExcludedNode.objects.exists()
 

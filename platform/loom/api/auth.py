@@ -6,6 +6,8 @@ from ninja.security import HttpBearer, django_auth
 
 from loom.accounts.services import user_for_api_token
 
+from .errors import UNAUTHORIZED
+
 
 class ApiTokenAuth(HttpBearer):
     """`Authorization: Bearer <token>` from `manage.py create_api_user`, for scripts."""
@@ -32,7 +34,7 @@ def docs_access(view):
         if "Authorization" not in request.headers:
             return browser_view(request, *args, **kwargs)
         if ApiTokenAuth()(request) is None:
-            return JsonResponse({"detail": "Unauthorized"}, status=401)
+            return JsonResponse({"errors": {"authorization": UNAUTHORIZED}}, status=401)
         return view(request, *args, **kwargs)
 
     return guarded

@@ -1,7 +1,8 @@
 """How the API answers what goes wrong: bad input as 400 {"errors": {field: message}} naming the field,
 whoever refused it (the JSON parser, ninja's schema of the request, a service); a missing object as 404
 in the same shape; anything unforeseen as a logged traceback and a 500 JSON answer, never a page of HTML.
-Authentication and state conflicts keep ninja's {"detail": message}: they concern no field."""
+A refusal that names no field of the request names what it is about: "authorization" (401), "csrf" (403),
+"run" (a state conflict, 409), "backend" (503)."""
 
 import json
 import logging
@@ -27,16 +28,14 @@ TYPE_MESSAGES = {
     "bool_parsing": STRICT_TYPE_MESSAGES["bool_type"],
 }
 
+UNAUTHORIZED = "send a valid API token (Authorization: Bearer <token>) or log in"
+
 # Where Django itself logs a failed request: settings.LOGGING sends it to stderr whatever DEBUG says.
 request_log = logging.getLogger("django.request")
 
 
 class FieldErrors(Schema):
     errors: dict[str, str]
-
-
-class Message(Schema):
-    detail: str
 
 
 class Body(Schema):
@@ -131,8 +130,10 @@ def install(api: NinjaAPI) -> None:
         return api.create_response(request, {"errors": request_field_errors(exc.errors)}, status=400)
 
     def http_error(request, exc: HttpError):
-        if exc.status_code in (401, 403):
-            return api.create_response(request, {"detail": str(exc)}, status=exc.status_code)
+        if exc.status_code == 401:
+            return api.create_response(request, {"errors": {"authorization": UNAUTHORIZED}}, status=401)
+        if exc.status_code == 403:
+            return api.create_response(request, {"errors": {"csrf": str(exc)}}, status=403)
         cause = exc.__cause__
         if isinstance(cause, NonFiniteNumbers):
             # Keyed as the body's fields are: "config.optimizer.grad_clip".
@@ -174,7 +175,7 @@ def _has_path_parameters(operation: dict) -> bool:
 def document_errors(schema: dict) -> dict:
     """Add to every operation of an OpenAPI document the error answers it can give and does not say yet."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in (FieldErrors, Message):
+    for model in (FieldErrors,):
         components.setdefault(model.__name__, model.model_json_schema(ref_template="#/components/schemas/{model}"))
 
     def answer(model, description: str) -> dict:
@@ -190,8 +191,8 @@ def document_errors(schema: dict) -> dict:
             if "requestBody" in operation:
                 responses.setdefault("413", answer(FieldErrors, "The body is larger than the server takes"))
             if operation.get("security"):
-                responses.setdefault("401", answer(Message, "No valid token or session"))
-                responses.setdefault("403", answer(Message, "A session's request without its CSRF token"))
+                responses.setdefault("401", answer(FieldErrors, "No valid token or session"))
+                responses.setdefault("403", answer(FieldErrors, "A session's request without its CSRF token"))
             if _has_path_parameters(operation):
                 responses.setdefault("404", answer(FieldErrors, "Nothing of yours at this URL"))
             responses.setdefault("500", answer(FieldErrors, "The server failed; the traceback is in its log"))

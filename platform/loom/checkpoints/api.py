@@ -108,7 +108,7 @@ def pinned_checkpoints(request):
         ref = attempt_for_token(bearer(request.headers.get("Authorization", "")))
         refuse_expired_token(ref)
     except IngestRejected as rejected:
-        return JsonResponse({"detail": rejected.message}, status=rejected.status)
+        return JsonResponse(rejected.answer(), status=rejected.status)
     attempt = Attempt.objects.get(pk=ref.attempt_id)
     alerts_on = AlertsConfig.model_validate(attempt.config.get("alerts", {})).enabled
     judged_through = (attempt.alerts_judged_through or 0) if alerts_on else None

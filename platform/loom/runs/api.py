@@ -4,7 +4,7 @@ from typing import Any
 from ninja import Router, Schema, Status
 from ninja.errors import HttpError
 
-from loom.api.errors import Body, FieldErrors, Message, Name
+from loom.api.errors import Body, FieldErrors, Name
 from loom.telemetry.models import Event
 from loom.telemetry.services import events_after
 from trainer.config import world_size_of
@@ -172,13 +172,13 @@ def run_events(request, run_id: int, after: int = 0, limit: int = 1000, until: i
     return {"events": [event.as_wire() for event in events], "last_seq": run.last_seq, "more": more}
 
 
-@router.post("/runs/{run_id}/cancel", response={202: RunDetailOut, 409: Message})
+@router.post("/runs/{run_id}/cancel", response={202: RunDetailOut, 409: FieldErrors})
 def cancel_run(request, run_id: int):
     run = services.run_for(request.user, run_id)
     try:
         return Status(202, services.cancel_run(run))
     except services.RunConflict as error:
-        return Status(409, {"detail": str(error)})
+        return Status(409, {"errors": {"run": str(error)}})
 
 
 @router.get("/runs/{run_id}/attempts/{number}/logs/{rank}", response=LogTail)

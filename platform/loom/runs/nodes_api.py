@@ -2,7 +2,7 @@ from datetime import datetime
 
 from ninja import Router, Schema, Status
 
-from loom.api.errors import Body, Text
+from loom.api.errors import Body, FieldErrors, Text
 
 from . import nodes
 from .backends import current_backend
@@ -84,14 +84,6 @@ class ExcludedOut(Schema):
         return row.excluded_at
 
 
-class FieldErrors(Schema):
-    errors: dict[str, str]
-
-
-class Message(Schema):
-    detail: str
-
-
 @router.get("/nodes", response=NodeTableOut)
 def list_nodes(request):
     """Every node of the backend new runs launch onto: its state, CPUs and GPUs, your runs and ranks on it,
@@ -99,7 +91,7 @@ def list_nodes(request):
     return nodes.node_table(request.user, current_backend())
 
 
-@router.post("/nodes/{name}/exclude", response={200: ExcludedOut, 400: FieldErrors, 503: Message})
+@router.post("/nodes/{name}/exclude", response={200: ExcludedOut, 400: FieldErrors, 503: FieldErrors})
 def exclude_node(request, name: Text, body: ExcludeIn):
     """Leave the node out of the next launches (Slurm's --exclude); runs already on it go on. Excluding an
     excluded node changes nothing: the first reason stands."""
@@ -108,7 +100,7 @@ def exclude_node(request, name: Text, body: ExcludeIn):
     except nodes.NodeInputError as error:
         return Status(400, {"errors": error.errors})
     except nodes.BackendUnavailable as error:
-        return Status(503, {"detail": f"{error}; try again once it answers"})
+        return Status(503, {"errors": {"backend": f"{error}; try again once it answers"}})
 
 
 @router.delete("/nodes/{name}/exclude", response={204: None})

@@ -53,7 +53,6 @@ def _json_answer(description: str, schema: dict) -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-_DETAIL = {"type": "object", "properties": {"detail": {"type": "string"}}, "required": ["detail"]}
 _FIELD_ERRORS = {
     "type": "object",
     "properties": {"errors": {"type": "object", "additionalProperties": {"type": "string"}}},
@@ -75,12 +74,12 @@ _STORED = {
         "responses": {
             "200": _json_answer("Stored, or already stored (duplicate: the same batch again).", _STORED),
             "400": _json_answer("A field no stored event may hold, or a body that is not JSON; named.", _FIELD_ERRORS),
-            "401": _json_answer("No token, an unknown one, or a finished attempt's past the grace.", _DETAIL),
-            "403": _json_answer("A batch for another attempt than the token's.", _DETAIL),
+            "401": _json_answer("No token, an unknown one, or a finished attempt's past the grace.", _FIELD_ERRORS),
+            "403": _json_answer("A batch for another attempt than the token's.", _FIELD_ERRORS),
             "409": _json_answer("This (attempt, rank, seq) was stored with other events; kept aside.", _FIELD_ERRORS),
-            "413": _json_answer("More bytes or events than a batch may have.", _DETAIL),
-            "415": _json_answer("A body that is not application/json.", _DETAIL),
-            "503": _json_answer("Busy, or the database is unreachable: send it again later.", _DETAIL),
+            "413": _json_answer("More bytes or events than a batch may have.", _FIELD_ERRORS),
+            "415": _json_answer("A body that is not application/json.", _FIELD_ERRORS),
+            "503": _json_answer("Busy, or the database is unreachable: send it again later.", _FIELD_ERRORS),
         },
     },
 )

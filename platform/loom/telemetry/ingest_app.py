@@ -39,12 +39,14 @@ async def ingest_endpoint(scope, receive, send) -> None:
         await _ingest(scope, receive, send)
     except Exception:
         log.exception("ingest failed unexpectedly")
-        await _answer(send, 500, {"detail": "ingest failed unexpectedly; the error is in the platform's log"})
+        await _answer(
+            send, 500, {"errors": {"server": "ingest failed unexpectedly; the error is in the platform's log"}}
+        )
 
 
 async def _ingest(scope, receive, send) -> None:
     if scope["method"] != "POST":
-        await _answer(send, 405, {"detail": "POST a telemetry batch"}, [(b"allow", b"POST")])
+        await _answer(send, 405, {"errors": {"method": "POST a telemetry batch"}}, [(b"allow", b"POST")])
         return
     headers = dict(scope["headers"])
     try:
@@ -62,7 +64,7 @@ async def _ingest(scope, receive, send) -> None:
     try:
         result = await writer.submit_from_loop(batch)
     except WriterBusy as busy:
-        await _answer(send, 503, {"detail": f"{busy}; retry"}, [(b"retry-after", b"1")])
+        await _answer(send, 503, {"errors": {"server": f"{busy}; retry"}}, [(b"retry-after", b"1")])
         return
     except (DataError, psycopg.DataError) as error:
         # Validation should have refused it; the database's word is final for this batch, so the sender
@@ -72,7 +74,9 @@ async def _ingest(scope, receive, send) -> None:
         return
     except Exception:
         log.exception("storing batch %s of rank %s (attempt %s) failed", batch.seq, batch.rank, batch.attempt_id)
-        await _answer(send, 503, {"detail": "the batch could not be stored; retry"}, [(b"retry-after", b"1")])
+        await _answer(
+            send, 503, {"errors": {"server": "the batch could not be stored; retry"}}, [(b"retry-after", b"1")]
+        )
         return
     status, answer = result_answer(batch, result)
     await _answer(send, status, answer)

@@ -18,9 +18,13 @@ from .store import LAUNCHER_RANK, IngestResult, PendingBatch, content_digest, re
 __all__ = ["LAUNCHER_RANK", "IngestResult", "run_group"]
 
 
+# What a refusal without named fields is about, by its status: the token, the attempt it names, the body.
+REFUSED_FIELD = {401: "token", 403: "attempt", 413: "body", 415: "content_type"}
+
+
 class IngestRejected(Exception):
-    """A request ingest refuses: answered `status` with {"detail": message}, or with {"errors": errors}
-    when the refusal is about named fields of the batch."""
+    """A request ingest refuses: answered `status` with {"errors": errors}, the fields it names, or else
+    the message under what the status is about (REFUSED_FIELD)."""
 
     def __init__(self, status: int, message: str, errors: dict[str, str] | None = None):
         super().__init__(message)
@@ -29,7 +33,7 @@ class IngestRejected(Exception):
         self.errors = errors
 
     def answer(self) -> dict:
-        return {"errors": self.errors} if self.errors else {"detail": self.message}
+        return {"errors": self.errors or {REFUSED_FIELD.get(self.status, "body"): self.message}}
 
 
 @dataclass(frozen=True)
