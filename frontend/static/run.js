@@ -475,7 +475,12 @@
     const retryable = { true: "retryable", false: "not retryable" }[attempt.retryable] ?? "retryable unknown";
     cell("attempt-failure").textContent = attempt.failure_kind ? `${attempt.failure_kind} · ${retryable}` : "";
     cell("attempt-decision").textContent = attempt.restart_decision;
-    cell("attempt-reason").appendChild(document.createElement("pre")).textContent = attempt.failure_reason;
+    const reason = cell("attempt-reason");
+    reason.appendChild(document.createElement("pre")).textContent = attempt.failure_reason;
+    if (attempt.batches_set_aside) {
+      const refused = `${attempt.batches_set_aside} telemetry batch${attempt.batches_set_aside === 1 ? "" : "es"}`;
+      reason.appendChild(paragraph(`${refused} refused by the platform, kept in the spools' rejected/ folders`, "note set-aside"));
+    }
     return row;
   }
 

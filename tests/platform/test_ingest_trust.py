@@ -275,6 +275,11 @@ def test_a_real_rank_sets_a_refused_batch_aside_trains_on_and_the_launcher_count
     final = run.events.filter(kind="state", rank=-1, payload__state=states.SUCCEEDED).get()
     assert final.payload["batches_set_aside"] == 1
     assert [path.name for path in (work_dir_for(attempt) / "spool" / "rejected").iterdir()] == ["rank0-0000000000.json"]
+    # The run's page and API say so on the attempt.
+    client = Client()
+    client.force_login(platform_user[0])
+    (shown,) = client.get(f"/api/runs/{run.pk}").json()["attempts"]
+    assert shown["batches_set_aside"] == 1
 
 
 def test_the_launchers_final_report_counts_the_batches_set_aside(tmp_path):

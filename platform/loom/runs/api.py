@@ -11,7 +11,7 @@ from trainer.config import world_size_of
 
 from . import services
 from .hardware import warnings_for
-from .logs import rank_log_files, tail_lines
+from .logs import batches_set_aside, rank_log_files, tail_lines
 
 router = Router(tags=["runs"])
 
@@ -44,9 +44,15 @@ class AttemptOut(Schema):
     restored_from_step: int | None
     world_size: int
     parallel: dict
+    # Telemetry batches the platform refused for good, kept in the attempt's spools' rejected/ folders.
+    batches_set_aside: int
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+
+    @staticmethod
+    def resolve_batches_set_aside(attempt):
+        return batches_set_aside(attempt.work_dir)
 
     @staticmethod
     def resolve_restored_from(attempt):

@@ -10,6 +10,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.telemetry import set_aside_count
+
+# Where an attempt's ranks (LOOM_SPOOL_DIR) and its launcher spool the telemetry they have not delivered yet.
+SPOOL_DIRS = ("spool", "launcher-spool")
+
 
 @dataclass(frozen=True)
 class NodeLogs:
@@ -80,3 +85,11 @@ def first_failure(work_dir: Path) -> RankFailure | None:
                 continue
             failures.append((when, RankFailure(rank, error["message"], error["extraInfo"].get("py_callstack", ""))))
     return min(failures, key=lambda item: item[0])[1] if failures else None
+
+
+def batches_set_aside(work_dir: str) -> int:
+    """How many telemetry batches of the attempt the platform refused for good: its ranks and its launcher keep
+    each in their spool's rejected/ folder (the reason is in that rank's log), not lost and not retried."""
+    if not work_dir:
+        return 0
+    return sum(set_aside_count(Path(work_dir) / name) for name in SPOOL_DIRS)
