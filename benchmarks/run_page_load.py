@@ -96,7 +96,7 @@ with connection.cursor() as cursor:
         [run.pk, run.pk],
     )
     cursor.execute("ANALYZE")
-ref = AttemptRef(attempt.pk, attempt.number, run.pk)
+ref = AttemptRef(attempt.pk, attempt.number, run.pk, ranks, finished_at=None, read_at=time.monotonic())
 comm = [
     pending_batch(ref, row["rank"], 0, [{"kind": "comm", "time": time.time(), "step": steps,
                                           "payload": {**row, "window": [steps - COMM_WINDOW + 1, steps]}}])

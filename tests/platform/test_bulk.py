@@ -71,7 +71,7 @@ def test_a_float_column_takes_whole_numbers_among_its_values():
 def rank_batches(attempt, count: int, seq: int) -> list[store.PendingBatch]:
     """`count` ranks' batches number `seq` as a trainer sends them: two steps' metrics and heartbeats, and
     a comm row."""
-    ref = AttemptRef(attempt.pk, attempt.number, attempt.run_id)
+    ref = AttemptRef(attempt.pk, attempt.number, attempt.run_id, count, finished_at=None, read_at=time.monotonic())
     batches = []
     for rank in range(count):
         events = []

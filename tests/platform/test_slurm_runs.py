@@ -9,8 +9,10 @@ from loom.runs.models import Attempt, Run
 from loom.telemetry.models import RankStatus
 from tests.conftest import wait_for
 
+from ..deployment import environment_of
 from .helpers import TINY_CONFIG
 from .test_launch import api, metric_steps
+from .test_rank_environment import PLATFORM_SECRETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -75,6 +77,18 @@ def test_cancel_stops_the_job_on_every_node(live_platform, platform_user, token_
     wait_for(lambda: 2 in metric_steps(run, 3), timeout=180, message="rank 3's second step")
     attempt = run.attempts.get()
     assert all(slurm_cluster.processes_on(node) for node in attempt.nodes)
+    # sbatch ran with the ranks' allow-listed environment: the worker's secrets (the test process holds them)
+    # reach no process of the job on any node.
+    jobs = [
+        (pid, environment)
+        for node in attempt.nodes
+        for pid in slurm_cluster.processes_on(node)
+        if (environment := environment_of(pid)).get("LOOM_ATTEMPT") == str(attempt.pk)
+    ]
+    assert len(jobs) >= 4, jobs
+    for pid, environment in jobs:
+        leaked = [name for name in PLATFORM_SECRETS if name in environment]
+        assert not leaked, f"process {pid} of the Slurm job started with the platform's {leaked}"
     api(f"{live_platform.url}/api/runs/{run.pk}/cancel", token, "POST", {})
     run = finished(run.pk, timeout=120)
     assert run.state == states.CANCELLED
