@@ -35,8 +35,9 @@ CRASH_STEP = 6
 CRASH_RANK = 3
 HANG_STEP = 4
 HANG_RANK = 1
-HANG_AFTER_S = 6.0
-# Every run is judged for hangs with a short limit: the clean ones must still open none.
+HANG_AFTER_S = 12.0
+# Every run is judged for hangs with a short limit: the clean ones must still open none. Short, not tight:
+# on two cores shared with other tests a clean step has been seen to take over 6 s.
 CONFIG = {**TINY_CONFIG, "steps": 16, "parallel": {"dp_replicate": RANKS}, "alerts": {"hang_after_s": HANG_AFTER_S}}
 # These runs last seconds, so a rank they slow is slow for seconds: the runs that slow one are judged without
 # straggler_min_s (test_alerts.py checks that floor through the same evaluate), the clean ones with it.
