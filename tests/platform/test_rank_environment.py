@@ -17,7 +17,7 @@ PLATFORM_SECRETS = ("LOOM_SECRET_KEY", "DATABASE_URL", "REDIS_URL", "AWS_SECRET_
 
 def test_the_allow_list_keeps_the_toolchain_and_drops_the_platforms_settings(settings):
     settings.LOOM_RANK_ENV = ["WANDB_API_KEY"]
-    inherited = {
+    toolchain = {
         "PATH": "/usr/bin",
         "HOME": "/home/loom",
         "LC_ALL": "C.UTF-8",
@@ -28,27 +28,16 @@ def test_the_allow_list_keeps_the_toolchain_and_drops_the_platforms_settings(set
         "TRITON_INTERPRET": "1",
         "OMP_NUM_THREADS": "1",
         "WANDB_API_KEY": "passed on purpose",
+    }
+    platform_settings = {
         "LOOM_SECRET_KEY": "s3cret",
         "DATABASE_URL": "postgresql://loom:loom@db/loom",
         "REDIS_URL": "redis://redis:6379/0",
         "LOOM_RUNS_DIR": "/data/runs",
         "AWS_SECRET_ACCESS_KEY": "aws",
     }
-    environment = rank_environment(inherited, {"LOOM_TOKEN": "attempt_x", "LOOM_URL": "http://ingest:8000"})
-    assert environment == {
-        "PATH": "/usr/bin",
-        "HOME": "/home/loom",
-        "LC_ALL": "C.UTF-8",
-        "PYTHONHASHSEED": "0",
-        "CUDA_VISIBLE_DEVICES": "0,1",
-        "NCCL_SOCKET_IFNAME": "eth0",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        "TRITON_INTERPRET": "1",
-        "OMP_NUM_THREADS": "1",
-        "WANDB_API_KEY": "passed on purpose",
-        "LOOM_TOKEN": "attempt_x",
-        "LOOM_URL": "http://ingest:8000",
-    }
+    launch = {"LOOM_TOKEN": "attempt_x", "LOOM_URL": "http://ingest:8000"}
+    assert rank_environment({**toolchain, **platform_settings}, launch) == {**toolchain, **launch}
 
 
 @pytest.mark.slow
