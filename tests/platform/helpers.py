@@ -20,9 +20,10 @@ TINY_CONFIG = {
 }
 
 
-# When batch()'s events were emitted: one moment for the whole test session, so that building a batch twice
-# gives the same batch, and a recent one, so that the platform's alerts judge them as fresh measurements.
-EPOCH_S = float(int(time.time()))
+# When each batch was first built. Building the same batch again, as a rank's retry resends it, gives the same
+# events (other events under one seq are a conflict); every batch is as recent as a live rank's, so the
+# platform's alert watcher judges its steps as fresh measurements, however long the test session has run.
+_first_built: dict[tuple, float] = {}
 
 
 def claimed_run(owner, name="claimed", config=None):
@@ -35,12 +36,13 @@ def claimed_run(owner, name="claimed", config=None):
 def batch(attempt, rank=0, seq=0, steps=(1, 2, 3)):
     """The same arguments give the same batch, as a rank's retry resends it (other events under the same seq
     are a conflict)."""
+    emitted_s = _first_built.setdefault((attempt.pk, rank, seq, tuple(steps)), time.time())
     return {
         "attempt": attempt.pk,
         "rank": rank,
         "seq": seq,
         "events": [
-            {"kind": "metric", "time": EPOCH_S + step, "step": step, "payload": {"loss": 5.0 - step / 10}}
+            {"kind": "metric", "time": emitted_s, "step": step, "payload": {"loss": 5.0 - step / 10}}
             for step in steps
         ],
     }
