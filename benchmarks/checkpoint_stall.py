@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import MANIFEST, Checkpointer, read_manifest
 from trainer.config import parse_config
-from trainer.data import WindowSampler
+from trainer.data.demo import WindowSampler
 from trainer.model import Transformer
 from trainer.parallel.apply import parallelize
 from trainer.parallel.mesh import ParallelMesh

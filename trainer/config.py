@@ -30,10 +30,8 @@ class _Section(BaseModel):
 
 ROPE_BASE = 10_000.0
 """model.rope_theta's default: Llama 2's base, the one loom's models have always been built with."""
-# A fixed part of the model that ModelConfig does not expose: trainer/model.py builds with it and the
-# planner's exporters write it into other trainers' jobs, so both read it from here.
 NORM_EPS = 1e-5
-"""Epsilon RMSNorm adds to the mean square before the square root."""
+"""model.norm_eps's default: the epsilon RMSNorm adds to the mean square before the square root."""
 
 
 class ModelConfig(_Section):
@@ -58,6 +56,9 @@ class ModelConfig(_Section):
     )
     mlp: Literal["swiglu", "gelu"] = Field(
         "swiglu", description="Feed-forward block: gated SwiGLU (three matrices) or GELU (two, as in GPT-3)."
+    )
+    norm_eps: float = Field(
+        NORM_EPS, gt=0, le=0.1, description="Epsilon RMSNorm adds to the mean square (1e-5 in Llama 2, 1e-6 in some)."
     )
     tie_embeddings: bool = Field(False, description="Share one matrix between the token embedding and the output.")
     experts: int = Field(
@@ -246,13 +247,40 @@ class OptimizerConfig(_Section):
     )
 
 
-class DataConfig(_Section):
-    """Byte-level text. The corpus ships with every Python: the standard library's own sources."""
+DATASET_REFERENCE_PREFIX = "dataset:"
 
-    corpus: Literal["python-stdlib"] = Field("python-stdlib", description="Where training text comes from.")
-    corpus_bytes: int = Field(2_000_000, ge=10_000, le=200_000_000, description="How many bytes of the corpus to load.")
+
+class DataConfig(_Section):
+    """What the run trains on: a prepared token dataset, or the demo corpus every Python ships (the standard
+    library's own sources as byte-level tokens), which needs no preparation."""
+
+    dataset: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "A prepared token dataset (`python -m trainer.data prepare`); null: the demo corpus. The trainer run on "
+            'its own takes the directory prepare wrote; through the platform, "dataset:<id>" names a registered '
+            "dataset of yours, which the platform turns into its directory."
+        ),
+    )
+    corpus: Literal["python-stdlib"] = Field("python-stdlib", description="The demo corpus (without a dataset).")
+    corpus_bytes: int = Field(
+        2_000_000, ge=10_000, le=200_000_000, description="How many bytes of the demo corpus to train on."
+    )
     micro_batch: int = Field(
-        8, ge=1, le=65536, description="Sequences per data-parallel rank per step (tp, cp and pp ranks share them)."
+        8,
+        ge=1,
+        le=65536,
+        description="Sequences per data-parallel rank per forward and backward pass (tp, cp and pp ranks share them).",
+    )
+    global_batch: int | None = Field(
+        None,
+        ge=1,
+        le=16_777_216,
+        description=(
+            "Sequences per optimizer step: a multiple of micro_batch × data-parallel ranks, the quotient being the "
+            "gradient-accumulation steps; null: micro_batch × data-parallel ranks (no accumulation)."
+        ),
     )
     seed: int = Field(0, ge=0, description="Seed for data order and weight initialisation.")
     skip_steps: list[tuple[int, int]] = Field(
@@ -315,6 +343,16 @@ class CheckpointConfig(_Section):
             '"checkpoint:<id>" or "run:<id>/step:<n>", which the platform turns into its path.'
         ),
     )
+    init_from: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Model weights to start from, at step 1 with a fresh optimizer (a resumed attempt loads its own "
+            "checkpoint instead). The trainer run on its own takes a committed checkpoint's directory (an imported "
+            'Hugging Face model included: `python -m trainer.hf import`); through the platform "checkpoint:<id>" '
+            '(a committed checkpoint of yours) or "model:<id>" (a pretrained model you imported).'
+        ),
+    )
     async_save: bool = Field(
         True,
         description=(
@@ -327,6 +365,23 @@ class CheckpointConfig(_Section):
     def saves(self) -> bool:
         """Whether this run writes checkpoints at all (periodic, final and on SIGTERM)."""
         return self.interval_steps > 0 or self.interval_minutes > 0
+
+
+class EvalConfig(_Section):
+    """Validation loss: batches of the validation split, forward only, in the run's own layout."""
+
+    interval_steps: int = Field(
+        0, ge=0, le=10_000_000, description="Evaluate after every N steps and after the last one; 0 = never."
+    )
+    batches: int = Field(
+        4,
+        ge=1,
+        le=100_000,
+        description=(
+            "Batches of micro_batch × data-parallel ranks sequences per evaluation, the same sequences every time "
+            "(the demo corpus holds its validation text out beyond corpus_bytes)."
+        ),
+    )
 
 
 class TelemetryConfig(_Section):
@@ -573,14 +628,30 @@ class RunConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     restart: RestartConfig = Field(default_factory=RestartConfig)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
 
     @property
+    def sequences_per_pass(self) -> int:
+        """Sequences one forward and backward pass of every data-parallel rank takes together."""
+        return self.data.micro_batch * self.parallel.data_parallel
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.data.global_batch or self.sequences_per_pass
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Forward and backward passes whose gradients each optimizer step sums."""
+        return self.global_batch // self.sequences_per_pass
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.data.micro_batch * self.model.seq_len * self.parallel.data_parallel
+        return self.global_batch * self.model.seq_len
 
 
 class ConfigError(ValueError):
@@ -678,9 +749,17 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
     def refuse(field: str, message: str) -> None:
         errors.setdefault(field, message)
 
-    if data.corpus_bytes < model.seq_len + 1:
+    if data.dataset is None and data.corpus_bytes < model.seq_len + 1:
         minimum = model.seq_len + 1
         refuse("data.corpus_bytes", f"must be at least model.seq_len + 1 = {minimum} to cut one training window")
+    per_pass = config.sequences_per_pass
+    if data.global_batch is not None and data.global_batch % per_pass:
+        valid = [per_pass * k for k in range(max(1, data.global_batch // per_pass - 2), data.global_batch // per_pass + 4)]
+        refuse(
+            "data.global_batch",
+            f"must be a multiple of data.micro_batch × data-parallel ranks = {data.micro_batch} × "
+            f"{parallel.data_parallel} = {per_pass}; valid choices near it: {valid}",
+        )
     if parallel.tp > 1:
         for name, size in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", model.ffn)):
             if size % parallel.tp:

@@ -90,9 +90,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, kernels)
+        self.attention_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.attention = Attention(cfg, kernels)
-        self.mlp_norm = RMSNorm(cfg.dim, kernels)
+        self.mlp_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.mlp = SwiGLU(cfg, kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,7 +111,7 @@ class Transformer(nn.Module):
         # A dict keyed by layer number: a pipeline stage deletes the layers it does not own and the
         # rest keep their names (blocks.7.…), so checkpoints and comparisons line up across layouts.
         self.blocks = nn.ModuleDict({str(index): Block(cfg, kernels) for index in range(cfg.layers)})
-        self.norm: RMSNorm | None = RMSNorm(cfg.dim, kernels)
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         cos, sin = rotary_tables(cfg.seq_len, cfg.dim // cfg.heads, cfg.rope_theta)
         # Non-persistent: derived from the config, so checkpoints need not carry them.

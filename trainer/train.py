@@ -30,7 +30,8 @@ from trainer import faults
 from trainer.checkpoint import Checkpointer, checkpoint_root
 from trainer.comm import comm_recorder
 from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
-from trainer.data import WindowSampler, data_step
+from trainer.data.demo import WindowSampler
+from trainer.data.order import data_step
 from trainer.metrics import memory, mfu, model_flops_per_token, own_work, peak_flops, state_bytes
 from trainer.model import Transformer
 from trainer.parallel.apply import ParallelModel, parallelize

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import WindowSampler, data_step, load_corpus, stdlib_sources
+from trainer.data.demo import WindowSampler, load_corpus, stdlib_sources
+from trainer.data.order import data_step
 
 
 def sampler(seed: int = 0, micro_batch: int = 4) -> WindowSampler:

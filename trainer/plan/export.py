@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config import NORM_EPS, ConfigError, OptimizerConfig, RunConfig
+from trainer.config import ConfigError, OptimizerConfig, RunConfig
 from trainer.plan.parameters import total_parameters
 from trainer.plan.terms import count
 
@@ -88,7 +88,7 @@ def micro_seqs(config: RunConfig) -> int:
 
 
 def global_batch(config: RunConfig) -> int:
-    return config.data.micro_batch * config.parallel.data_parallel
+    return config.global_batch
 
 
 # ---- torchtitan ----
@@ -139,7 +139,7 @@ def torchtitan_model(config: RunConfig) -> tuple[list[str], list[tuple[str, obje
         f'torchtitan builds models from registered flavors: register "loom" in torchtitan/models/llama3 as '
         f"TransformerModelArgs(dim={model.dim}, n_layers={model.layers}, n_heads={model.heads}, "
         f"n_kv_heads={model.kv_heads}, vocab_size={model.vocab}, rope_theta={model.rope_theta:g}, "
-        f"norm_eps={NORM_EPS:g}) with ffn_dim_multiplier and multiple_of giving a feed-forward size of {model.ffn}"
+        f"norm_eps={model.norm_eps:g}) with ffn_dim_multiplier and multiple_of giving a feed-forward size of {model.ffn}"
     )
     tokenizer_note = f"hf_assets_path: the tokenizer, which must have model.vocab = {model.vocab} tokens"
     items: list[tuple[str, object]] = [
@@ -324,7 +324,7 @@ def megatron_model(config: RunConfig) -> list[str]:
         f"--vocab-size={model.vocab - 1}",
         "--make-vocab-size-divisible-by=1",
         "--normalization=RMSNorm",
-        f"--norm-epsilon={NORM_EPS:g}",
+        f"--norm-epsilon={config.model.norm_eps:g}",
         "--position-embedding-type=rope",
         f"--rotary-base={model.rope_theta:g}",
         "--disable-bias-linear",

@@ -62,7 +62,7 @@ class Layout:
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step."""
-        return self.config.data.micro_batch * self.parallel.data_parallel
+        return self.config.global_batch
 
     @property
     def tokens_per_step(self) -> int:

@@ -8,7 +8,6 @@ exactly the same data.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sysconfig
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import RunConfig
+from trainer.data.order import batch_seed
 
 THIRD_PARTY_DIRS = {"site-packages", "dist-packages"}
 
@@ -43,21 +43,6 @@ def load_corpus(max_bytes: int, root: Path | None = None) -> torch.Tensor:
         chunks.append(chunk)
         remaining -= len(chunk)
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-
-
-def data_step(step: int, skip_steps: list[tuple[int, int]]) -> int:
-    """The step whose batch `step` trains on: later by the length of every skipped range it has reached."""
-    index = step
-    for first, last in sorted(skip_steps):
-        if index >= first:
-            index += last - first + 1
-    return index
-
-
-def batch_seed(seed: int, step: int) -> int:
-    """A 63-bit generator seed that is the same in every process (unlike hash())."""
-    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class WindowSampler:
