@@ -754,7 +754,8 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
         refuse("data.corpus_bytes", f"must be at least model.seq_len + 1 = {minimum} to cut one training window")
     per_pass = config.sequences_per_pass
     if data.global_batch is not None and data.global_batch % per_pass:
-        valid = [per_pass * k for k in range(max(1, data.global_batch // per_pass - 2), data.global_batch // per_pass + 4)]
+        near = data.global_batch // per_pass
+        valid = [per_pass * k for k in range(max(1, near - 2), near + 4)]
         refuse(
             "data.global_batch",
             f"must be a multiple of data.micro_batch × data-parallel ranks = {data.micro_batch} × "

@@ -139,7 +139,8 @@ def torchtitan_model(config: RunConfig) -> tuple[list[str], list[tuple[str, obje
         f'torchtitan builds models from registered flavors: register "loom" in torchtitan/models/llama3 as '
         f"TransformerModelArgs(dim={model.dim}, n_layers={model.layers}, n_heads={model.heads}, "
         f"n_kv_heads={model.kv_heads}, vocab_size={model.vocab}, rope_theta={model.rope_theta:g}, "
-        f"norm_eps={model.norm_eps:g}) with ffn_dim_multiplier and multiple_of giving a feed-forward size of {model.ffn}"
+        f"norm_eps={model.norm_eps:g}) with ffn_dim_multiplier and multiple_of giving a feed-forward size of "
+        f"{model.ffn}"
     )
     tokenizer_note = f"hf_assets_path: the tokenizer, which must have model.vocab = {model.vocab} tokens"
     items: list[tuple[str, object]] = [
