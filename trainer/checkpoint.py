@@ -433,6 +433,8 @@ class Checkpointer:
         self.last_save_time = time.monotonic()
         # Why retention last kept each pinned checkpoint it would have deleted, as reported.
         self._kept_reasons: dict[int, str] = {}
+        # The data sampler's position before a step's batch, for the manifest; the trainer sets its sampler's.
+        self.data_position: Callable[[int], dict[str, Any]] = lambda next_step: {}
 
     def _shared_nonce(self) -> str:
         """Names this attempt's temporary directories; rank 0 draws it so every rank writes to the same one."""
@@ -444,24 +446,28 @@ class Checkpointer:
     # Restoring.
 
     def restore(self) -> Restored | None:
-        """Loads the checkpoint `resume` names into the model, optimizer and RNGs; None to start fresh."""
+        """Loads the checkpoint `resume` names into the model, optimizer and RNGs; None to start fresh, from the
+        weights init_from names when it is set."""
         resume = self.settings.resume
         if resume is None:
+            self._load_initial_weights()
             return None
         if resume == "latest":
             chosen = latest_good(self.root, self.verify, self._report_corrupt)
             if chosen is None:
                 if self.is_committer:
                     logger.info("no committed checkpoint in %s; starting from step 1", self.root)
+                self._load_initial_weights()
                 return None
             path, manifest = chosen
         else:
-            path = Path(resume).absolute()
-            if holds_checkpoints(path):
-                path, manifest = self._newest_good_in(path)
-            else:
-                manifest = self.verify(path)
+            path, manifest = self._named_checkpoint(Path(resume).absolute())
         self._check_model(path, manifest)
+        if manifest.get("rng") is None:
+            raise CheckpointError(
+                f"{path.name}: holds model weights only (an import, no optimizer or RNG state), so it cannot be "
+                "resumed; start from it with checkpoint.init_from"
+            )
         started = time.perf_counter()
         dcp.load(self.state, checkpoint_id=path, process_group=self.group)
         restore_rng_states(manifest["rng"], self.device)
@@ -470,6 +476,26 @@ class Checkpointer:
         self.last_saved_step = restored.step
         self._report_restored(restored, time.perf_counter() - started)
         return restored
+
+    def _named_checkpoint(self, path: Path) -> tuple[Path, dict[str, Any]]:
+        """The checkpoint a path names, verified: itself, or the newest good one in a directory of them."""
+        if holds_checkpoints(path):
+            return self._newest_good_in(path)
+        return path, self.verify(path)
+
+    def _load_initial_weights(self) -> None:
+        """checkpoint.init_from: only the model weights of a committed checkpoint (an import, or another run's
+        in any layout); the optimizer, the RNGs and the step start fresh."""
+        if self.settings.init_from is None:
+            return
+        path, manifest = self._named_checkpoint(Path(self.settings.init_from).absolute())
+        # The weights do not depend on the sequence length: a model imported at one trains at another.
+        self._check_model(path, manifest, ignored=frozenset({"seq_len"}), use="start from it")
+        started = time.perf_counter()
+        dcp.load({"model": self.state["model"]}, checkpoint_id=path, process_group=self.group)
+        # The run's first checkpoint descends from the weights it started from: the lineage's root.
+        self.parent = path
+        self._report_restored(Restored(path, manifest["step"], manifest), time.perf_counter() - started, initial=True)
 
     def _newest_good_in(self, directory: Path) -> tuple[Path, dict[str, Any]]:
         """Like "latest", in a directory named explicitly; whoever names one expects a checkpoint there,
@@ -508,15 +534,19 @@ class Checkpointer:
             raise error_type(message)
         return manifest
 
-    def _check_model(self, path: Path, manifest: dict[str, Any]) -> None:
+    def _check_model(
+        self, path: Path, manifest: dict[str, Any], ignored: frozenset[str] = frozenset(), use: str = "resume"
+    ) -> None:
         # A model field added after the checkpoint was written (rope_theta) is missing from its
         # manifest; the field's default is what every model was built with before it existed.
         saved = {**ModelConfig().model_dump(), **(manifest.get("model") or {})}
         wanted = self.config.model.model_dump()
-        differing = [f"model.{key}={saved.get(key)!r}" for key in wanted if saved.get(key) != wanted[key]]
+        differing = [
+            f"model.{key}={saved.get(key)!r}" for key in wanted if key not in ignored and saved.get(key) != wanted[key]
+        ]
         if differing:
             raise CheckpointError(
-                f"{path.name}: saved for another model ({', '.join(differing)}); resume with that model section"
+                f"{path.name}: saved for another model ({', '.join(differing)}); {use} with that model section"
             )
 
     def _report_corrupt(self, path: Path, error: CheckpointCorrupt) -> None:
@@ -526,11 +556,14 @@ class Checkpointer:
                 "checkpoint", {"state": "corrupt", "step": step_of(path), "path": str(path), "error": str(error)}
             )
 
-    def _report_restored(self, restored: Restored, load_s: float) -> None:
+    def _report_restored(self, restored: Restored, load_s: float, initial: bool = False) -> None:
+        """initial: only its weights were loaded (init_from), so its step is not this run's and the event
+        carries none of this run's steps."""
         if self.is_committer:
             manifest = restored.manifest
             logger.info(
-                "resumed from %s (step %d, saved by %d ranks) in %.2f s",
+                "%s %s (step %d, saved by %d ranks) in %.2f s",
+                "took the initial weights from" if initial else "resumed from",
                 restored.path,
                 restored.step,
                 manifest["world_size"],
@@ -544,7 +577,9 @@ class Checkpointer:
                 "world_size": manifest["world_size"],
                 "load_s": load_s,
             }
-            self.telemetry.emit("checkpoint", payload, step=restored.step)
+            if initial:
+                payload["initial"] = True
+            self.telemetry.emit("checkpoint", payload, step=None if initial else restored.step)
 
     # Saving.
 
@@ -673,8 +708,9 @@ class Checkpointer:
             "world_size": self.config.parallel.world_size,
             "model": self.config.model.model_dump(),
             "parent": str(self.parent) if self.parent is not None else None,
-            # Batches are a pure function of (seed, step): the next step is the whole loader position.
-            "data": {"next_step": step + 1, "seed": self.config.data.seed},
+            # Batches are a pure function of (seed, step); the sampler adds the dataset it reads and where its
+            # stream stands (epoch, sequence_offset), so a resume continues exactly there, on the same data.
+            "data": {"next_step": step + 1, "seed": self.config.data.seed, **self.data_position(step + 1)},
             "rng": rng_states(self.device),
             # Likewise the learning rate: warmup then cosine over total_steps, evaluated at each step.
             "lr_schedule": {

@@ -30,8 +30,9 @@ from trainer import faults
 from trainer.checkpoint import Checkpointer, checkpoint_root
 from trainer.comm import comm_recorder
 from trainer.config import ConfigError, OptimizerConfig, RunConfig, parse_config
-from trainer.data.demo import WindowSampler
+from trainer.data.demo import WindowSampler, check_validation
 from trainer.data.order import data_step
+from trainer.data.sampler import TokenSampler, open_dataset
 from trainer.metrics import memory, mfu, model_flops_per_token, own_work, peak_flops, state_bytes
 from trainer.model import Transformer
 from trainer.parallel.apply import ParallelModel, parallelize
@@ -177,8 +178,11 @@ def train(
     parallel_model = parallelize(model, mesh, config, device)
     parameters = parallel_model.parameters()
     optimizer = build_optimizer(parameters, config.optimizer, device.type == "cuda")
-    sampler = WindowSampler.from_config(config)
+    sampler = training_data(config)
     data_parallel = config.parallel.data_parallel
+    validation = []
+    if config.eval.interval_steps:
+        validation = sampler.validation_batches(config.eval.batches, mesh.dp_rank, data_parallel)
     comm = comm_recorder(config.telemetry, mesh, telemetry)
     telemetry.heartbeat_details = comm.progress
     checkpointer = Checkpointer(
@@ -191,6 +195,7 @@ def train(
         run_id=launch.run_id,
         attempt=launch.attempt,
     )
+    checkpointer.data_position = lambda next_step: sampler.position(data_step(next_step, config.data.skip_steps))
 
     telemetry.emit(
         "state",
@@ -216,9 +221,13 @@ def train(
     )
     restored = checkpointer.restore()
     first_step = restored.step + 1 if restored is not None else 1
+    if restored is not None:
+        sampler.resume(restored.manifest.get("data"), data_step(first_step, config.data.skip_steps))
 
-    tokens_per_rank_step = config.data.micro_batch * config.model.seq_len
-    tokens_seen = (first_step - 1) * tokens_per_rank_step
+    # Each rank reports tokens/s of its share of the global batch (the platform multiplies by the data-parallel
+    # degree); tokens counts the whole run's.
+    tokens_per_rank_step = global_tokens // data_parallel
+    tokens_seen = (first_step - 1) * global_tokens
     last_step, last_loss, stop_votes = first_step - 1, None, 0.0
     leak = faults.Leak(config.faults)
     try:
@@ -251,7 +260,7 @@ def train(
                 dist.all_reduce(shared)
                 loss_sum, loss_count, stop_votes, save_votes = shared.tolist()
             step_time = time.perf_counter() - started
-            tokens_seen += tokens_per_rank_step
+            tokens_seen += global_tokens
             metrics = {
                 "loss_mean": loss_sum / loss_count,
                 "grad_norm": norm,
@@ -266,16 +275,19 @@ def train(
                 metrics["loss"] = local_loss
             if not update:
                 metrics["update_skipped"] = 1.0
+            if evaluation_due(step, config):
+                metrics["eval_loss"] = validation_loss(parallel_model, validation, device)
             if step == first_step:
                 metrics |= state_bytes(parameters, optimizer)
             comm_s = comm.step_finished(step)
             if comm_s is not None:
                 metrics |= own_work(step_time, comm_s)
             telemetry.emit("metric", metrics, step=step)
+            evaluated = f" eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
             print(
                 f"rank {launch.rank} step {step}/{config.steps} loss {metrics.get('loss', float('nan')):.4f} "
                 f"mean {metrics['loss_mean']:.4f} grad_norm {norm:.3f} lr {lr:.2e} "
-                f"{metrics['tokens_per_s']:,.0f} tok/s {step_time * 1000:.0f} ms",
+                f"{metrics['tokens_per_s']:,.0f} tok/s {step_time * 1000:.0f} ms{evaluated}",
                 flush=True,
             )
             last_step, last_loss = step, metrics["loss_mean"]
@@ -293,6 +305,36 @@ def train(
     checkpointer.finish(last_step, last_loss)
     checkpointer.close()
     return Outcome(last_step=last_step, stopped=bool(stop_votes), parallel_model=parallel_model, mesh=mesh)
+
+
+def training_data(config: RunConfig) -> TokenSampler | WindowSampler:
+    """The sampler of the run's data: the prepared dataset data.dataset names, else the demo corpus."""
+    if config.data.dataset is not None:
+        return TokenSampler(open_dataset(config), config)
+    return WindowSampler.from_config(config)
+
+
+def evaluation_due(step: int, config: RunConfig) -> bool:
+    """Every eval.interval_steps steps, and after the last step; never when the interval is 0."""
+    interval = config.eval.interval_steps
+    return interval > 0 and (step % interval == 0 or step == config.steps)
+
+
+def validation_loss(
+    parallel_model: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> float:
+    """The mean loss over the validation batches' tokens, the same on every rank. Every rank that computes a loss
+    holds as many tokens as any other (or the same tokens, across tp), so the mean of their means is the mean
+    over the tokens."""
+    total, count = 0.0, 0
+    for inputs, targets in batches:
+        loss = parallel_model.evaluate(inputs.to(device), targets.to(device))
+        if loss is not None:
+            total, count = total + to_local_value(loss), count + 1
+    shared = torch.tensor([total, float(count)], dtype=torch.float64)
+    dist.all_reduce(shared)
+    loss_sum, loss_count = shared.tolist()
+    return loss_sum / loss_count
 
 
 class NonFiniteError(RuntimeError):
@@ -349,6 +391,10 @@ def configure(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[RunCo
     parser.add_argument("--config", type=Path, required=True, help="run-config JSON document")
     args = parser.parse_args(argv)
     config = load_config(args.config)
+    if config.data.dataset is not None:
+        open_dataset(config)
+    else:
+        check_validation(config)
     launch = Launch.from_environment(environ)
     expected = config.parallel.world_size
     if launch.world_size != expected:

@@ -384,7 +384,7 @@ def test_committed_manifests_hold_the_sizes_and_checksums_of_the_files(straight)
         assert manifest["layout"] == parse_config(fsdp2({})).parallel.model_dump()
         assert manifest["world_size"] == 2
         assert manifest["parent"] == str(directory / f"step-{step - 1:06d}")
-        assert manifest["data"] == {"next_step": step + 1, "seed": 0}
+        assert manifest["data"] == {"next_step": step + 1, "seed": 0, "dataset": None}
         assert manifest["lr_schedule"]["step"] == step and manifest["lr_schedule"]["total_steps"] == STEPS
         assert manifest["loss"] == losses[step - 1]
         assert len(base64.b64decode(manifest["rng"]["cpu"])) == torch.get_rng_state().numel()

@@ -8,6 +8,7 @@ from trainer.config import parse_config
 from trainer.plan.layout import Layout
 from trainer.plan.memory import state_bytes_of_rank
 
+from .token_dataset import stdlib_token_dataset
 from .torchrun import FinishedRun, run_trainer
 
 pytestmark = pytest.mark.slow
@@ -121,3 +122,70 @@ def test_bf16_mixed_precision_under_fsdp_tracks_the_fp32_losses(single_process, 
         assert abs(got - want) <= 2e-2 * abs(want)
     # Master weights stay fp32 whatever the compute precision.
     assert {tensor.dtype for tensor in run.parameters().values()} == {torch.float32}
+
+
+# On a prepared token dataset, a representative part of the matrix (DDP, FSDP, TP, PP, CP) with validation on:
+# every third step and after the last, so steps 3 and 4.
+TOKEN_LAYOUTS = {
+    "ddp2": {"micro_batch_divisor": 2, "dp_replicate": 2},
+    "fsdp2": {"micro_batch_divisor": 2, "dp_shard": 2},
+    "tp2_sp": {"tp": 2},
+    "pp2_1f1b": {"pp": 2, "pp_schedule": "1F1B", "microbatches": 4},
+    "cp2": {"cp": 2},
+}
+EVAL_STEPS = [3, 4]
+
+
+def token_layout(dataset, micro_batch_divisor: int = 1, **parallel) -> dict:
+    document = layout(micro_batch_divisor, **parallel)
+    document["model"]["vocab"] = 320
+    document["data"]["dataset"] = str(dataset)
+    document["eval"] = {"interval_steps": 3, "batches": 2}
+    return document
+
+
+@pytest.fixture(scope="module")
+def token_dataset(tmp_path_factory):
+    return stdlib_token_dataset(tmp_path_factory.mktemp("tokens") / "dataset", 200_000, 40_000, shard_tokens=70_000)
+
+
+@pytest.fixture(scope="module")
+def token_single_process(tmp_path_factory, token_dataset):
+    run = run_trainer(tmp_path_factory.mktemp("token-single"), token_layout(token_dataset))
+    assert run.returncode == 0, run.failure_report()
+    return run
+
+
+def eval_losses(run: FinishedRun) -> dict[int, dict[int, float]]:
+    """{rank: {step: eval_loss}} over every metric event that carries one."""
+    found: dict[int, dict[int, float]] = {}
+    for rank, event in run.events("metric"):
+        if "eval_loss" in event["payload"]:
+            found.setdefault(rank, {})[event["step"]] = event["payload"]["eval_loss"]
+    return found
+
+
+@pytest.mark.parametrize("name", list(TOKEN_LAYOUTS))
+def test_layout_matches_a_single_process_on_a_token_dataset(name, token_dataset, token_single_process, tmp_path):
+    document = token_layout(token_dataset, **TOKEN_LAYOUTS[name])
+    run = run_trainer(tmp_path, document)
+    assert run.returncode == 0, run.failure_report()
+    expected, actual = token_single_process.loss_means(), run.loss_means()
+    assert len(actual) == STEPS
+    for step, (want, got) in enumerate(zip(expected, actual, strict=True), start=1):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    reference, parameters = token_single_process.parameters(), run.parameters()
+    assert sorted(parameters) == sorted(reference)
+    for name_, tensor in reference.items():
+        difference = parameters[name_] - tensor
+        assert difference.abs().max() <= 1e-4, name_
+        assert difference.norm() <= 1e-4 * tensor.norm(), name_
+    (want,) = eval_losses(token_single_process).values()
+    assert sorted(want) == EVAL_STEPS
+    evaluated = eval_losses(run)
+    assert sorted(evaluated) == list(range(parse_config(document).parallel.world_size)), "every rank reports it"
+    for rank, got in evaluated.items():
+        assert sorted(got) == EVAL_STEPS
+        for step in EVAL_STEPS:
+            assert abs(got[step] - want[step]) <= 1e-5 * want[step], f"rank {rank} step {step}"
+            assert got[step] == evaluated[0][step], "the same value on every rank"

@@ -19,3 +19,7 @@ def batch_seed(seed: int, step: int) -> int:
     """A 63-bit generator seed that is the same in every process (unlike hash())."""
     digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+class DataMismatch(RuntimeError):
+    """A checkpoint written training on other data than the run's config names."""

@@ -2,7 +2,8 @@
 
 TP (+SP, loss parallel) → activation checkpointing → torch.compile per block → FSDP2/HSDP or DDP;
 PP first cuts the model into stages and the rest is applied to each stage. (Under TP with full recompute
-the blocks are compiled before they are checkpointed: compiled.py says why.)"""
+the blocks are compiled before they are checkpointed: compiled.py says why.) The result runs a step's
+forwards and backwards, in gradient-accumulation passes, and evaluates batches forward only, in any layout."""
 
 from __future__ import annotations
 
@@ -15,24 +16,27 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from trainer.checkpoint import reshard
 from trainer.config import RunConfig
 from trainer.kernels import TORCH_KERNELS, kernels_for
 from trainer.model import Transformer
 
 from .compiled import recompute_and_compile
 from .context import apply_context_parallel
-from .data import apply_ddp, apply_fsdp
+from .data import apply_ddp, apply_fsdp, gradient_sync
 from .mesh import ParallelMesh
-from .pipeline import build_schedule, split_model
+from .pipeline import build_schedule, forward_only, gradients_reduced, split_model
 from .tensor import apply_tensor_parallel
 
 
 @dataclass
 class ParallelModel:
-    """The parallelized model: the modules this rank holds and how to run one step's forward and backward."""
+    """The parallelized model: the modules this rank holds, how to run one optimizer step's forwards and
+    backwards over this rank's share of the global batch, and how to evaluate a batch without gradients."""
 
     modules: list[nn.Module]
     forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+    evaluate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
     state_modules: list[nn.Module] = field(default_factory=list)
 
     def parameters(self) -> list[nn.Parameter]:
@@ -40,7 +44,12 @@ class ParallelModel:
 
 
 def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, device: torch.device) -> ParallelModel:
+    """forward_backward takes this rank's share of a step's global batch (micro_batch × accumulation_steps
+    sequences) and runs it in accumulation_steps passes, each loss scaled by 1/accumulation_steps so the
+    summed gradients are those of the global batch's mean loss; data-parallel gradients are reduced only
+    in the last pass. It returns the mean loss, unscaled (None on pipeline ranks without the last stage)."""
     parallel = config.parallel
+    accumulation_steps = config.accumulation_steps
     uses_loss_parallel = parallel.tp > 1 and parallel.loss_parallel
     # Triton kernels take plain tensors: under tensor or context parallelism activations are DTensors
     # or need collectives between ops, so those layouts keep torch's ops (which DTensor understands).
@@ -69,47 +78,100 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
     state_modules = [part for _, part in parts]
     autocast = _autocast(config, device)
 
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
     def loss_context():
         return loss_parallel() if uses_loss_parallel else contextlib.nullcontext()
 
     if parallel.pp == 1:
         (module,) = wrapped
 
+        def mean_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            with autocast():
+                output = module(inputs, targets) if fused_loss else module(inputs)
+            return output if fused_loss else cross_entropy(output, targets)
+
         def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            with loss_context():
-                with autocast():
-                    output = module(inputs, targets) if fused_loss else module(inputs)
-                loss = output if fused_loss else loss_fn(output, targets)
-                loss.backward()
-            return loss.detach()
+            passes = list(zip(inputs.chunk(accumulation_steps), targets.chunk(accumulation_steps), strict=True))
+            losses = []
+            for index, (pass_inputs, pass_targets) in enumerate(passes):
+                with gradient_sync(module, enabled=index == len(passes) - 1), loss_context():
+                    loss = mean_loss(pass_inputs, pass_targets)
+                    (loss / len(passes)).backward()
+                losses.append(loss.detach())
+            return sum(losses[1:], losses[0]) / len(losses)
+
+        def evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad(), loss_context():
+                loss = mean_loss(inputs, targets)
+            reshard(module)
+            return loss
 
     else:
         feeds_targets = holds_last_stage(parts, parallel)
+        pipeline_loss = PipelineLoss()
         schedule = build_schedule(
-            list(zip([index for index, _ in parts], wrapped, strict=True)), parallel, mesh, device, loss_fn
+            list(zip([index for index, _ in parts], wrapped, strict=True)), parallel, mesh, device, pipeline_loss
         )
+        # The schedule sums its microbatches' gradients; the loss scales each to the global batch's mean.
+        passes_per_step = parallel.microbatches * accumulation_steps
+
+        def run_schedule(run, inputs: torch.Tensor, targets: torch.Tensor, losses: list[torch.Tensor]) -> None:
+            """One run of the schedule, its microbatches' losses added to `losses` (the schedule replaces what
+            the list it is given holds)."""
+            these_losses: list[torch.Tensor] = []
+            with loss_context(), autocast():
+                run(
+                    inputs if mesh.is_first_stage_rank else None,
+                    target=targets if feeds_targets else None,
+                    losses=these_losses,
+                )
+            losses += these_losses
 
         def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
             losses: list[torch.Tensor] = []
-            with loss_context(), autocast():
-                schedule.step(
-                    inputs if mesh.is_first_stage_rank else None,
-                    target=targets if feeds_targets else None,
-                    losses=losses,
-                )
-            return torch.stack([loss.detach() for loss in losses]).mean() if losses else None
+            pipeline_loss.scale = 1.0 / passes_per_step
+            passes = list(zip(inputs.chunk(accumulation_steps), targets.chunk(accumulation_steps), strict=True))
+            for index, (pass_inputs, pass_targets) in enumerate(passes):
+                with gradients_reduced(schedule, reduced=index == len(passes) - 1):
+                    run_schedule(schedule.step, pass_inputs, pass_targets, losses)
+            if not losses:
+                return None
+            return torch.stack([loss.detach() for loss in losses]).mean() * passes_per_step
+
+        def evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+            losses: list[torch.Tensor] = []
+            pipeline_loss.scale = 1.0
+            with torch.no_grad(), forward_only(schedule):
+                run_schedule(schedule.eval, inputs, targets, losses)
+            for stage_module in wrapped:
+                reshard(stage_module)
+            return torch.stack(losses).mean() if losses else None
 
     if positions is None:
-        return ParallelModel(wrapped, forward_backward, state_modules)
+        return ParallelModel(wrapped, forward_backward, evaluate, state_modules)
 
+    # Each cp rank trains on, and evaluates, its load-balanced share of every sequence.
     def context_parallel_forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        # Each cp rank trains on its load-balanced share of every sequence.
         return forward_backward(inputs[:, positions], targets[:, positions])
 
-    return ParallelModel(wrapped, context_parallel_forward_backward, state_modules)
+    def context_parallel_evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        return evaluate(inputs[:, positions], targets[:, positions])
+
+    return ParallelModel(wrapped, context_parallel_forward_backward, context_parallel_evaluate, state_modules)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class PipelineLoss:
+    """The pipeline schedule's loss function: the mean cross-entropy of a microbatch times `scale`, which the
+    step sets (1 / (microbatches × accumulation steps) to train, 1 to evaluate)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets) * self.scale
 
 
 def holds_last_stage(parts, parallel) -> bool:

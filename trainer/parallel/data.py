@@ -3,9 +3,12 @@ replicas) or DDP."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import ParallelConfig
@@ -35,3 +38,17 @@ def apply_ddp(module: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn
         # The only buffers are RoPE tables computed identically everywhere; re-syncing them is waste.
         forward_sync_buffers=False,
     )
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """A forward and backward pass that reduces the data-parallel gradients (enabled) or only accumulates them
+    locally, as the inner passes of gradient accumulation do: DDP's no_sync, or FSDP2 skipping its
+    reduce-scatter (and HSDP its all-reduce) until the pass that enables it again."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)
+    if isinstance(module, DistributedDataParallel) and not enabled:
+        with module.no_sync():
+            yield
+    else:
+        yield
