@@ -154,6 +154,8 @@ def describe_estimate(result: Estimate, defaults: dict) -> str:
         f"{layout.config.compute.recompute}, {layout.precision}; {layout.global_batch} sequences × "
         f"{layout.model.seq_len} tokens a step"
     )
+    if layout.accumulation_steps > 1:
+        header += f" in {layout.accumulation_steps} accumulation steps of {layout.config.sequences_per_pass} sequences"
     return "\n\n".join(
         [
             header + "\n" + defaults_line(defaults),

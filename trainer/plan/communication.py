@@ -12,6 +12,11 @@ What is exposed: tensor-, context- and expert-parallel collectives sit between d
 reduce-scatters run under the next block's backward; DDP all-reduces buckets under backward: only
 what exceeds that compute, plus the first gather and last reduction, is exposed. Pipeline sends
 overlap the steady state; the fill and drain, 2(p − 1) messages, are exposed.
+
+Gradient accumulation repeats a step's forward and backward passes: everything inside a pass (tp, cp,
+ep, pipeline sends, FSDP's parameter gathers) happens in every pass, while loom's trainer reduces the
+gradients once, in the last pass (DDP's and FSDP's sync is off in the others); ZeRO-2, holding only its
+gradient shard, must reduce in every pass.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class Traffic:
     """One call's whole buffer (see trainer.traffic.CommOp.nbytes)."""
     calls: float
     inter_node: bool
+    passes: int = 1
+    """The accumulation passes it is spread over: the compute of that many passes can hide it."""
     time_s: float = 0.0
     exposed_s: float = 0.0
     note: str = ""
@@ -125,7 +132,9 @@ def step_traffic(
     parallel, model = layout.parallel, layout.model
     gpn = cluster.gpus_per_node
     group = groups(layout)
-    m, e, c = layout.microbatches, layout.activation_bytes, layout.compute_bytes
+    # Every pass of an accumulating step repeats its microbatches' in-pass traffic.
+    passes = layout.accumulation_steps
+    m, e, c = passes * layout.microbatches, layout.activation_bytes, layout.compute_bytes
     recompute = layout.config.compute.recompute
     repeats = {"none": 0, "selective": 0.5, "full": 1}[recompute]
     sbh = layout.local_seq * layout.micro_seqs * model.dim * e
@@ -134,7 +143,8 @@ def step_traffic(
     def add(kind: str, op: str, dim: str, buffer: float, calls: float, note: str) -> None:
         members = group[dim]
         if members.size > 1 and calls > 0 and buffer > 0:
-            traffic.append(Traffic(kind, op, dim, members.size, buffer, calls, members.crosses_nodes(gpn), note=note))
+            crosses = members.crosses_nodes(gpn)
+            traffic.append(Traffic(kind, op, dim, members.size, buffer, calls, crosses, passes, note=note))
 
     if parallel.tp > 1:
         # Per block: two collectives forward (after wo and after w2) and two backward (before the
@@ -182,46 +192,56 @@ def time_traffic(traffic: list[Traffic], cluster: ClusterSpec) -> None:
 
 def data_parallel_traffic(layout: Layout, group: dict[str, Group], gpn: int, elements: int, c: int) -> list[Traffic]:
     parallel, m = layout.parallel, layout.microbatches
-    zero = parallel.zero
+    zero, passes = parallel.zero, layout.accumulation_steps
+    # Said of what runs once per step when the step accumulates: its reduction waits for the last pass.
+    once = f", once per step of {passes} passes" if passes > 1 else ""
     traffic: list[Traffic] = []
 
-    def add(op: str, dim: str, buffer: float, calls: float, note: str) -> None:
+    def add(op: str, dim: str, buffer: float, calls: float, note: str, every_pass: bool = False) -> None:
         members = group[dim]
-        traffic.append(Traffic("dp", op, dim, members.size, buffer, calls, members.crosses_nodes(gpn), note=note))
+        spread, times = (passes, calls * passes) if every_pass else (1, calls)
+        crosses = members.crosses_nodes(gpn)
+        traffic.append(Traffic("dp", op, dim, members.size, buffer, times, crosses, spread, note=note))
 
     if zero == 0:
         if group["dp"].size > 1:
             # Replicas under TP or PP all-reduce through FSDP2's HSDP, one shard a replica: the same bytes.
             how = "DDP" if parallel.data_parallel_path == "ddp" else "HSDP of whole replicas"
-            add("all_reduce", "dp", 4 * elements, 1, f"{how}: fp32 gradients")
+            add("all_reduce", "dp", 4 * elements, 1, f"{how}: fp32 gradients{once}")
         return traffic
     if zero == 3:
         # Resharding after forward gathers again for every microbatch's forward and once for backward.
         gathers = m + 1 if parallel.reshard_after_forward else 1
         before = "before forward" + (" and backward" if gathers > 1 else "")
-        add("all_gather", "dp_shard", c * elements, gathers, f"FSDP: parameters {before}")
-        add("reduce_scatter", "dp_shard", 4 * elements, 1, "FSDP: fp32 gradients")
+        every = " in every pass" if passes > 1 else ""
+        add("all_gather", "dp_shard", c * elements, gathers, f"FSDP: parameters {before}{every}", every_pass=True)
+        add("reduce_scatter", "dp_shard", 4 * elements, 1, f"FSDP: fp32 gradients{once}")
         grad_bytes = 4
     else:
-        add("reduce_scatter", "dp_shard", c * elements, 1, f"ZeRO-{zero}: gradients to their optimizer shard")
+        # ZeRO-2 holds only its shard of the gradients, so each pass's go to their owners; ZeRO-1 sums whole ones.
+        reduce_note = f"ZeRO-{zero}: gradients to their optimizer shard" + (" in every pass" if zero == 2 else once)
+        add("reduce_scatter", "dp_shard", c * elements, 1, reduce_note, every_pass=zero == 2)
         add("all_gather", "dp_shard", c * elements, 1, f"ZeRO-{zero}: updated parameters")
         grad_bytes = c
     if group["dp_replicate"].size > 1:
         shard_bytes = grad_bytes * elements / group["dp_shard"].size
-        add("all_reduce", "dp_replicate", shard_bytes, 1, "HSDP: each shard's gradients across replicas")
+        add("all_reduce", "dp_replicate", shard_bytes, 1, f"HSDP: each shard's gradients across replicas{once}")
     return traffic
 
 
 def expose(traffic: list[Traffic], forward_s: float, backward_s: float, rank_layers: int, pipeline_ranks: int) -> None:
-    """Fill in exposed_s: what compute cannot hide (see the module docstring)."""
+    """Fill in exposed_s: what compute cannot hide (see the module docstring). forward_s and backward_s
+    are one pass's; traffic spread over several passes is hidden by (and exposes its ends in) each."""
     layers = max(rank_layers, 1)
     for item in traffic:
+        passes = item.passes
         if item.kind in IN_LAYER_KINDS:
             item.exposed_s = item.time_s
         elif item.kind == "pp":
             per_message = item.time_s / item.calls
-            item.exposed_s = min(item.time_s, 2 * (pipeline_ranks - 1) * per_message)
+            item.exposed_s = min(item.time_s, passes * 2 * (pipeline_ranks - 1) * per_message)
         elif item.op == "all_gather":
-            item.exposed_s = max(0.0, item.time_s - forward_s - backward_s) + item.time_s / item.calls / layers
+            hidden = passes * (forward_s + backward_s)
+            item.exposed_s = max(0.0, item.time_s - hidden) + passes * item.time_s / item.calls / layers
         else:
-            item.exposed_s = max(0.0, item.time_s - backward_s) + item.time_s / layers
+            item.exposed_s = max(0.0, item.time_s - passes * backward_s) + passes * item.time_s / item.calls / layers

@@ -1,5 +1,10 @@
 """One layout's estimate: memory per pipeline rank, step time and its parts, communication,
-throughput and MFU, warnings — every number with the terms it came from."""
+throughput and MFU, warnings — every number with the terms it came from.
+
+A step of a global batch larger than one pass (micro_batch × data-parallel ranks) runs
+accumulation_steps passes: each pass its compute, in-layer communication and pipeline bubble; the
+data-parallel reduction and the optimizer once (communication.py). Memory is one pass's: passes run
+one after another, and the gradients they sum are the ones every step holds anyway."""
 
 from __future__ import annotations
 
@@ -35,14 +40,16 @@ class RankTime:
     pp_rank: int
     compute: RankCompute
     traffic: list[Traffic]
+    """The whole step's: every accumulation pass's."""
+    passes: int = 1
 
     def exposed(self, kinds: tuple[str, ...]) -> float:
         return sum(item.exposed_s for item in self.traffic if item.kind in kinds)
 
     def busy_s(self, microbatches: int) -> float:
-        """Every microbatch's compute and the in-layer communication between its matmuls: the rank's
-        work that the pipeline schedule lays out."""
-        return microbatches * self.compute.total_s + self.exposed(IN_LAYER_KINDS)
+        """One pass's work that the pipeline schedule lays out: every microbatch's compute and the in-layer
+        communication between its matmuls."""
+        return microbatches * self.compute.total_s + self.exposed(IN_LAYER_KINDS) / self.passes
 
 
 def most_exposed_s(ranks: list[RankTime], kinds: tuple[str, ...]) -> float:
@@ -79,6 +86,7 @@ class Estimate:
                 for rank in self.ranks
             )
             * self.layout.microbatches
+            * self.layout.accumulation_steps
         )
         parallel = self.layout.parallel
         return per_replica * parallel.tp * parallel.cp * parallel.data_parallel
@@ -135,6 +143,8 @@ class Estimate:
                 "zero_stage": parallel.zero,
                 "sharding_ranks": parallel.sharding_ranks,
                 "global_batch": layout.global_batch,
+                "sequences_per_pass": layout.config.sequences_per_pass,
+                "accumulation_steps": layout.accumulation_steps,
                 "micro_batch": layout.micro_seqs,
                 "microbatches": layout.microbatches,
                 "tokens_per_step": layout.tokens_per_step,
@@ -218,18 +228,19 @@ def estimate_layout(layout: Layout, cluster: ClusterSpec, *, timeline: bool = Tr
     busy = [rank.busy_s(layout.microbatches) for rank in ranks]
     drawn = simulate_step(layout, cluster, ranks, busy) if timeline and parallel.pp > 1 else None
     if drawn is not None:
-        pipeline_s, bubble = drawn.step_s, drawn.bubble_fraction
+        pass_s, bubble = drawn.step_s, drawn.bubble_fraction
     else:
         bubble = (
             closed_form_bubble(parallel.pp_schedule, parallel.pp, layout.microbatches, layout.stages_per_rank)
             if parallel.pp > 1
             else 0.0
         )
-        pipeline_s = pipeline_seconds(max(busy), bubble)
+        pass_s = pipeline_seconds(max(busy), bubble)
     slowest = max(range(parallel.pp), key=lambda r: busy[r])
     data_parallel_s, pipeline_p2p_s = most_exposed_s(ranks, ("dp",)), most_exposed_s(ranks, ("pp",))
     optimizer = optimizer_term(layout, cluster)
-    terms = time_terms(layout, ranks[slowest], busy[slowest], pipeline_s, bubble, data_parallel_s, pipeline_p2p_s)
+    terms = time_terms(layout, ranks[slowest], busy[slowest], pass_s, bubble, data_parallel_s, pipeline_p2p_s)
+    pipeline_s = layout.accumulation_steps * pass_s
     step_s = step_seconds(pipeline_s, data_parallel_s, pipeline_p2p_s, optimizer.value)
     result = Estimate(layout, cluster, memory, ranks, terms + [optimizer], step_s, bubble, drawn)
     result.warnings = warnings(result)
@@ -260,11 +271,11 @@ def rank_time_from(
     its parameters before ZeRO/FSDP sharding) and computes."""
     traffic = step_traffic(layout, cluster, unsharded, held.layers, held.holds_embedding, held.holds_output)
     expose(traffic, compute.forward_s, compute.backward_s, held.layers, layout.parallel.pp)
-    return RankTime(pp_rank, compute, traffic)
+    return RankTime(pp_rank, compute, traffic, layout.accumulation_steps)
 
 
 def simulate_step(layout: Layout, cluster: ClusterSpec, ranks: list[RankTime], busy: list[float]) -> Timeline:
-    """The schedule drawn with each stage's own cost: its FLOPs, stretched by its rank's exposed
+    """One pass's schedule drawn with each stage's own cost: its FLOPs, stretched by its rank's exposed
     tensor/context/expert-parallel communication."""
     parallel = layout.parallel
     forward, backward, weight = [], [], []
@@ -286,25 +297,28 @@ def time_terms(
     layout: Layout,
     slowest: RankTime,
     slowest_busy_s: float,
-    pipeline_s: float,
+    pass_s: float,
     bubble: float,
     data_parallel_s: float,
     pipeline_p2p_s: float,
 ) -> list[Term]:
     """The step's parts before the optimizer's: the slowest rank's compute, its in-layer communication
-    and the bubble (together the pipeline's part), then the exposed data-parallel and pipeline traffic."""
-    m = layout.microbatches
-    compute_s = m * slowest.compute.total_s
+    and the bubble (together the pipeline's part: `slowest_busy_s` and `pass_s` are one pass's, repeated
+    by every accumulation pass), then the exposed data-parallel and pipeline traffic of the whole step."""
+    m, passes = layout.microbatches, layout.accumulation_steps
+    pass_compute_s = m * slowest.compute.total_s
+    per_pass = f"{passes} accumulation passes × " if passes > 1 else ""
     terms = [
         Term(
             "compute",
-            compute_s,
-            f"{m} microbatch(es) × (forward + backward{' + recompute' if slowest.compute.recompute_flops else ''}) "
+            passes * pass_compute_s,
+            f"{per_pass}{m} microbatch(es) × (forward + backward"
+            f"{' + recompute' if slowest.compute.recompute_flops else ''}) "
             f"FLOPs × {slowest.compute.seconds_per_flop:.3e} s/FLOP (pipeline rank {slowest.pp_rank})",
         ),
         Term(
             "exposed tp/cp/ep communication",
-            slowest_busy_s - compute_s,
+            passes * (slowest_busy_s - pass_compute_s),
             "collectives between dependent matmuls, not overlapped",
         ),
     ]
@@ -312,20 +326,22 @@ def time_terms(
         terms.append(
             Term(
                 "pipeline bubble",
-                pipeline_s - slowest_busy_s,
-                f"{layout.parallel.pp_schedule}: bubble fraction {bubble:.3f} of compute "
+                passes * (pass_s - slowest_busy_s),
+                f"{per_pass}{layout.parallel.pp_schedule}: bubble fraction {bubble:.3f} of compute "
                 f"(p={layout.parallel.pp}, m={m}, v={layout.stages_per_rank})",
             )
         )
+    once = f"; gradients reduced once per step of {passes} passes" if passes > 1 else ""
     terms.append(
         Term(
             "exposed data-parallel communication",
             data_parallel_s,
-            "gradient reduction and parameter gathers beyond what backward/forward compute hides",
+            f"gradient reduction and parameter gathers beyond what backward/forward compute hides{once}",
         )
     )
     if layout.parallel.pp > 1:
-        terms.append(Term("exposed pipeline send/recv", pipeline_p2p_s, "fill and drain: 2(p − 1) messages"))
+        fill = f"{per_pass}fill and drain: 2(p − 1) messages"
+        terms.append(Term("exposed pipeline send/recv", pipeline_p2p_s, fill))
     return terms
 
 

@@ -65,6 +65,11 @@ class Layout:
         return self.config.global_batch
 
     @property
+    def accumulation_steps(self) -> int:
+        """Forward and backward passes (each over every microbatch) whose gradients one step sums."""
+        return self.config.accumulation_steps
+
+    @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.model.seq_len
 
