@@ -608,6 +608,24 @@ class AlertsConfig(_Section):
         le=100_000,
         description="An open alert whose condition has not been seen for this many steps resolves by itself.",
     )
+    overfit_evaluations: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description=(
+            "Overfitting: validation loss (eval.interval_steps) higher at this many evaluations in a row than at "
+            "the one before each, while training loss fell over the same steps."
+        ),
+    )
+    overfit_rise: float = Field(
+        0.01,
+        ge=0,
+        le=10,
+        description=(
+            "Overfitting also needs the latest validation loss this fraction above the one those evaluations "
+            "started from: a hair's rise is no trend."
+        ),
+    )
 
     @field_validator("min_history")
     @classmethod

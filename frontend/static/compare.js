@@ -8,12 +8,18 @@
   const page = JSON.parse(document.getElementById("compare-page").textContent);
   const SERIES = {
     loss: { metric: "loss_mean", axis: "loss (mean over ranks)", hover: "%{y:.4f}" },
+    // Only on the steps each run evaluated: a point each, joined.
+    eval_loss: { metric: "eval_loss", axis: "validation loss", hover: "%{y:.4f}", markers: true },
     grad_norm: { metric: "grad_norm", axis: "gradient norm", hover: "%{y:.4f}" },
     lr: { metric: "lr", axis: "learning rate", hover: "%{y:.3e}" },
     tokens_per_s: { metric: "tokens_per_s", axis: "tokens/s, all ranks", hover: "%{y:,.0f}" },
     mfu: { metric: "mfu", axis: "MFU", hover: "%{y:.1%}", yaxis: { tickformat: ".0%" } },
   };
   const DASHES = ["solid", "dash", "dot", "dashdot"];
+  const EMPTY_NOTES = {
+    mfu: "no MFU reported: it is not measured on CPU",
+    eval_loss: "no validation loss: none of these runs evaluates (eval.interval_steps)",
+  };
 
   // chart → run id → attempt → {step, value}: what each chart draws.
   const compare = { runs: page.runs, series: {} };
@@ -62,7 +68,8 @@
         .sort((a, b) => a - b);
       numbers.forEach((attempt, order) => {
         const curve = attempts[attempt];
-        // MFU on CPU ranks is reported as missing at every step: such an attempt has no line.
+        // MFU on CPU ranks is reported as missing at every step, validation loss by a run that never
+        // evaluates: such an attempt has no line.
         if (!curve || !curve.value.some((value) => value !== null)) return;
         const name = numbers.length > 1 ? `${run.name} · attempt ${attempt}` : run.name;
         drawn.push({
@@ -71,7 +78,7 @@
           name,
           legendgroup: String(run.id),
           type: "scatter",
-          mode: curve.step.length > 1 ? "lines" : "markers",
+          mode: curve.step.length > 1 ? (SERIES[key].markers ? "lines+markers" : "lines") : "markers",
           line: { color: colourOf(index), width: 1.5, dash: DASHES[order % DASHES.length] },
           marker: { color: colourOf(index) },
           hovertemplate: `step %{x}: ${SERIES[key].hover}<extra>${name.replaceAll("<", "&lt;")}</extra>`,
@@ -96,7 +103,7 @@
         ? []
         : [
             {
-              text: key === "mfu" ? "no MFU reported: it is not measured on CPU" : "no points",
+              text: EMPTY_NOTES[key] || "no points",
               showarrow: false,
               xref: "paper",
               yref: "paper",

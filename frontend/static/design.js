@@ -52,12 +52,12 @@
   }
 
   // Numbers go as numbers and switches as booleans; anything that does not parse goes as typed,
-  // so the schema answers it with its own message. An empty optional select means null.
+  // so the schema answers it with its own message. An empty optional select or number means null.
   function jsonValue(input) {
     const text = input.value.trim();
     if (input.dataset.type === "bool") return text === "true";
     if (input.dataset.type !== "number") return text;
-    if (text === "" && input.tagName === "SELECT") return null;
+    if (text === "" && (input.tagName === "SELECT" || "optional" in input.dataset)) return null;
     return numberOrText(text);
   }
 
@@ -231,6 +231,14 @@
     setText("summary-mfu", percent(estimate.mfu));
     setText("summary-bubble", percent(estimate.bubble_fraction));
     setText("summary-step", formatSeconds(estimate.time.step_s));
+    const passes = layout.accumulation_steps;
+    const batch = `${layout.global_batch.toLocaleString("en-US")} sequences`;
+    setText(
+      "summary-batch",
+      passes > 1
+        ? `${batch}: ${passes} accumulation steps of ${layout.sequences_per_pass.toLocaleString("en-US")}`
+        : `${batch}, no accumulation`,
+    );
     setText("summary-peak", `${formatBinaryBytes(memory.peak_bytes)} of ${formatBinaryBytes(memory.usable_bytes)} usable`);
     setText("summary-headroom", formatBinaryBytes(memory.headroom_bytes));
     setText("summary-world", `${layout.world_size} of ${layout.gpus_in_cluster}`);
@@ -519,7 +527,8 @@
     const name = document.getElementById("design-name").value.trim() || layoutName(request.config);
     button.disabled = true;
     try {
-      const answer = await postJson(page.urls.runs, { name, config: request.config, cluster: request.cluster });
+      const config = withSources(request.config);
+      const answer = await postJson(page.urls.runs, { name, config, cluster: request.cluster });
       if (answer.status === 201) {
         window.location.assign(`/runs/${answer.body.id}/`);
         return;
@@ -531,6 +540,35 @@
     } finally {
       button.disabled = false;
     }
+  }
+
+  // ---- what the run trains on and starts from ----
+
+  // The chosen dataset and starting weights, by reference; none chosen leaves the config's own (the demo corpus,
+  // fresh weights). They change no estimate, so only a launch sends them.
+  function withSources(config) {
+    const dataset = document.getElementById("design-dataset").value;
+    const initFrom = document.getElementById("design-init-from").value;
+    const sourced = { ...config };
+    if (dataset) sourced.data = { ...config.data, dataset };
+    if (initFrom) sourced.checkpoint = { ...config.checkpoint, init_from: initFrom };
+    return sourced;
+  }
+
+  // Starting weights fix the model's shape (all but the sequence length), and a dataset the least vocabulary.
+  function applySources() {
+    const model = page.sources.initModels[document.getElementById("design-init-from").value];
+    if (model) {
+      for (const [field, value] of Object.entries(model)) {
+        const input = inputFor(`model.${field}`);
+        if (input && field !== "seq_len") input.value = formValue(value);
+      }
+      presetSelect.value = matchingPreset();
+    }
+    const vocab = page.sources.datasetVocab[document.getElementById("design-dataset").value];
+    const vocabInput = inputFor("model.vocab");
+    if (vocab && vocabInput && Number(vocabInput.value) < vocab) vocabInput.value = String(vocab);
+    scheduleEstimate();
   }
 
   // The runs API names config fields "config.model.experts"; the form names them "model.experts".
@@ -632,6 +670,8 @@
     });
     form.addEventListener("submit", (event) => event.preventDefault());
     document.getElementById("launch").addEventListener("click", launch);
+    document.getElementById("design-dataset").addEventListener("change", applySources);
+    document.getElementById("design-init-from").addEventListener("change", applySources);
     document.getElementById("export").addEventListener("click", exportLayout);
     document.getElementById("export-copy").addEventListener("click", copyExport);
     document.getElementById("export-download").addEventListener("click", downloadExport);

@@ -3,7 +3,8 @@
 // from any of them) drawn as SVG from the lineage API. Each run is a lane; each of its attempts a row
 // spanning the steps from where it started to its last checkpoint, its checkpoints nodes on that row
 // at their steps. Edges run from a checkpoint to the next one saved after it (its parent link), to an
-// attempt that restarted or was restored from it, and to the first attempt of a run forked from it.
+// attempt that restarted or was restored from it, and to the first attempt of a run forked from it. An imported
+// model the runs started from is a root above them, with an edge to each such run's first attempt.
 
 (() => {
   const page = JSON.parse(document.getElementById("lineage-page").textContent);
@@ -25,7 +26,8 @@
   const AXIS_TICKS = 8;
   const EDGE_BEND = 36;
   const ARROW_SIZE = 9;
-  const EDGE_KINDS = ["parent", "restart", "restore", "fork"];
+  const EDGE_KINDS = ["parent", "restart", "restore", "fork", "init"];
+  const MODEL_LANE_HEIGHT = 48;
   const { formatBytes } = window.loom;
 
   const lineage = { data: null, ready: false };
@@ -70,7 +72,12 @@
 
     const lanes = [];
     const rowOf = new Map();
+    const modelNodes = new Map();
     let top = AXIS_HEIGHT;
+    for (const model of data.models ?? []) {
+      modelNodes.set(model.id, { model, top, x: x(0), y: top + MODEL_LANE_HEIGHT / 2 });
+      top += MODEL_LANE_HEIGHT + LANE_GAP;
+    }
     for (const run of data.runs) {
       const attempts = data.attempts.filter((attempt) => attempt.run === run.id).sort((a, b) => a.number - b.number);
       const height = 2 * LANE_PAD + Math.max(1, attempts.length) * ROW_HEIGHT;
@@ -95,7 +102,7 @@
       top += height + LANE_GAP;
     }
     const nodeAt = (checkpoint) => ({ x: x(checkpoint.step), y: rowOf.get(checkpoint.attempt).centre });
-    return { lanes, rowOf, checkpointById, nodeAt, x, maxStep, height: top };
+    return { lanes, rowOf, modelNodes, checkpointById, nodeAt, x, maxStep, height: top };
   }
 
   // ---- drawing ----
@@ -107,6 +114,7 @@
     svg.appendChild(svgElement("title")).textContent = `Lineage of run ${page.run}`;
     svg.appendChild(arrowMarkers());
     drawAxis(svg, geometry, width);
+    for (const node of geometry.modelNodes.values()) drawModel(svg, node, width);
     for (const lane of geometry.lanes) drawLane(svg, lane, width);
     const edges = svg.appendChild(svgElement("g", { class: "lineage-edges" }));
     for (const edge of edgesOf(lineage.data, geometry)) edges.appendChild(edgePath(edge));
@@ -134,6 +142,18 @@
     const magnitude = 10 ** Math.floor(Math.log10(Math.max(raw, 1)));
     const nice = [1, 2, 5, 10].map((factor) => factor * magnitude).find((candidate) => candidate >= raw);
     return Math.max(1, nice);
+  }
+
+  // The imported model runs started from: a root at step 0, its source named beside it.
+  function drawModel(svg, node, width) {
+    const { model } = node;
+    const group = svg.appendChild(svgElement("g", { class: "lineage-model", "data-model": model.id }));
+    group.appendChild(svgElement("rect", { x: 0, y: node.top, width, height: MODEL_LANE_HEIGHT, rx: 8 }));
+    group.appendChild(text(truncate(model.name, 28), 12, node.top + 20, { class: "lineage-run-title" }));
+    group.appendChild(text(`imported model ${model.id}`, 12, node.top + 36, { class: "lineage-run-meta" }));
+    const source = text(`from ${model.source_path}`, node.x + 2 * NODE_RADIUS, node.y + 4, { class: "lineage-run-meta" });
+    group.appendChild(source);
+    group.appendChild(svgElement("circle", { class: "lineage-model-mark", cx: node.x, cy: node.y, r: NODE_RADIUS }));
   }
 
   function drawLane(svg, lane, width) {
@@ -243,6 +263,18 @@
     for (const lane of geometry.lanes) {
       lane.rows.forEach((row, index) => {
         const { attempt } = row;
+        const model = geometry.modelNodes.get(lane.run.pretrained);
+        if (index === 0 && model && lane.run.forked_from === null) {
+          edges.push({
+            kind: "init",
+            from: `model-${model.model.id}`,
+            to: `attempt-${attempt.id}`,
+            start: { x: model.x, y: model.y },
+            end: { x: row.x0, y: row.centre },
+            intoAttempt: true,
+          });
+          return;
+        }
         const forked = index === 0 && forkOrigin.get(attempt.run) !== null;
         const sourceId = forked ? forkOrigin.get(attempt.run) : attempt.restored_from;
         const source = geometry.checkpointById.get(sourceId);

@@ -562,8 +562,39 @@
       button.textContent = "Restore…";
       button.addEventListener("click", () => openRestore(checkpoint));
       action.appendChild(pinButton(checkpoint));
+      action.appendChild(exportButton(checkpoint));
     }
     return row;
+  }
+
+  // Hugging Face's format, written by a worker: the page follows the export until it is ready or failed.
+  const EXPORT_POLL_MS = 1000;
+  function exportButton(checkpoint) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "export-button";
+    button.textContent = "Export";
+    button.title = "Write it as a Hugging Face Llama directory (config.json and safetensors)";
+    button.addEventListener("click", async () => {
+      button.disabled = true;
+      try {
+        const url = page.urls.exportCheckpoint.replace(/\/0\/export$/, `/${checkpoint.id}/export`);
+        const response = await loom.post(url, {});
+        let job = await response.json();
+        if (!response.ok) throw new Error(Object.values(job.errors ?? {}).join("; ") || `HTTP ${response.status}`);
+        showNotice(`Exporting the checkpoint of step ${checkpoint.step} to Hugging Face's format…`);
+        while (job.state === "queued" || job.state === "converting") {
+          await new Promise((resolve) => setTimeout(resolve, EXPORT_POLL_MS));
+          job = await getJson(page.urls.exports.replace(/\/0$/, `/${job.id}`));
+        }
+        if (job.state !== "ready") throw new Error(job.error || job.state);
+        showNotice(`The checkpoint of step ${checkpoint.step} is exported to ${job.out_path}`);
+      } catch (error) {
+        showNotice(`Could not export the checkpoint of step ${checkpoint.step} (${error.message}).`);
+      }
+      button.disabled = false;
+    });
+    return button;
   }
 
   // A person's pin keeps a checkpoint past keep_last until they unpin it; an alert's lasts while it is live.

@@ -37,13 +37,21 @@ window.loomRunCharts = (page, run, requestFrame) => {
   const BAND_FILL = "rgba(48, 86, 211, 0.15)";
   const ACCENT = "#3056d3";
 
+  // `on`: a series drawn on another's chart (validation loss beside training loss), not a chart of its own.
   const SERIES = {
     loss: { metric: "loss_mean", element: "loss-chart", axis: "loss (mean over ranks)", hover: "%{y:.4f}" },
+    eval_loss: { metric: "eval_loss", on: "loss", name: "validation", hover: "%{y:.4f} validation" },
     grad_norm: { metric: "grad_norm", element: "grad-norm-chart", axis: "gradient norm", hover: "%{y:.4f}" },
     lr: { metric: "lr", element: "lr-chart", axis: "learning rate", hover: "%{y:.3e}" },
     tokens_per_s: { metric: "tokens_per_s", element: "tokens-chart", axis: "tokens/s, all ranks", hover: "%{y:,.0f}" },
     mfu: { metric: "mfu", element: "mfu-chart", axis: "MFU", hover: "%{y:.1%}", yaxis: { tickformat: ".0%" } },
   };
+  // The charts, and per chart the series drawn on it (its own first).
+  const CHARTS = Object.keys(SERIES).filter((key) => !SERIES[key].on);
+  const DRAWN_ON = Object.fromEntries(
+    CHARTS.map((chart) => [chart, Object.keys(SERIES).filter((key) => key === chart || SERIES[key].on === chart)]),
+  );
+  const chartOfSeries = (key) => SERIES[key].on || key;
   const RANK_METRICS = {
     step_time_s: {
       element: "step-time-chart",
@@ -166,7 +174,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
       const raw = steps[steps.length - 1] - steps[0] + 1 === steps.length;
       if (!raw) seriesCovered[key][attempt.attempt] = steps[steps.length - 1];
     }
-    dirty.add(key);
+    dirty.add(chartOfSeries(key));
   }
 
   async function fetchSeries(keys, range) {
@@ -206,7 +214,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
       }
       if (!addSeriesPoint(key, attempt, step, value)) continue;
       if (key === "loss" && inRange(seriesRange.loss, step)) latencyPending.push(pendingPoint(event));
-      dirty.add(key);
+      dirty.add(chartOfSeries(key));
       requestFrame();
     }
   }
@@ -244,25 +252,32 @@ window.loomRunCharts = (page, run, requestFrame) => {
     requestFrame();
   }
 
-  // An attempt whose ranks reported the metric as missing at every step (MFU on CPU) has no line.
-  function seriesTraces(key) {
-    return Object.keys(run.series[key])
-      .map(Number)
-      .sort((a, b) => a - b)
-      .filter((attempt) => run.series[key][attempt].some((point) => point[1] !== null))
-      .map((attempt, index) => {
-        const points = run.series[key][attempt];
-        return {
-          x: points.map((point) => point[0]),
-          y: points.map((point) => point[1]),
-          name: `attempt ${attempt}`,
-          type: "scatter",
-          mode: points.length > 1 ? "lines" : "markers",
-          line: { color: C.COLOURS[index % C.COLOURS.length], width: 1.5 },
-          marker: { color: C.COLOURS[index % C.COLOURS.length] },
-          hovertemplate: `step %{x}: ${SERIES[key].hover}<extra>attempt ${attempt}</extra>`,
-        };
-      });
+  // A chart's traces: a line per attempt of each series drawn on it. An attempt whose ranks reported the
+  // metric as missing at every step (MFU on CPU, validation loss of a run that never evaluates) has no line.
+  // A series drawn on another's chart is dashed, with a marker per (sparse) point, in its attempt's colour.
+  function seriesTraces(chart) {
+    return DRAWN_ON[chart].flatMap((key) =>
+      Object.keys(run.series[key])
+        .map(Number)
+        .sort((a, b) => a - b)
+        .filter((attempt) => run.series[key][attempt].some((point) => point[1] !== null))
+        .map((attempt, index) => {
+          const points = run.series[key][attempt];
+          const colour = C.COLOURS[index % C.COLOURS.length];
+          const beside = key !== chart;
+          const name = beside ? `${SERIES[key].name}, attempt ${attempt}` : `attempt ${attempt}`;
+          return {
+            x: points.map((point) => point[0]),
+            y: points.map((point) => point[1]),
+            name,
+            type: "scatter",
+            mode: beside ? "lines+markers" : points.length > 1 ? "lines" : "markers",
+            line: { color: colour, width: beside ? 2 : 1.5, dash: beside ? "dash" : "solid" },
+            marker: { color: colour, size: beside ? 6 : 4 },
+            hovertemplate: `step %{x}: ${SERIES[key].hover}<extra>${name}</extra>`,
+          };
+        }),
+    );
   }
 
   // A fresh layout each time; uirevision keeps a zoom the user chose across redraws.
@@ -1171,8 +1186,8 @@ window.loomRunCharts = (page, run, requestFrame) => {
 
   function setUp(onError) {
     showError = onError;
-    for (const [key, spec] of Object.entries(SERIES)) {
-      elements[key] = document.getElementById(spec.element);
+    for (const key of CHARTS) {
+      elements[key] = document.getElementById(SERIES[key].element);
       C.addCsvButton(card(elements[key]), `run-${page.runId}-${key}.csv`, () =>
         C.lineTable(seriesTraces(key), SERIES[key].metric),
       );
@@ -1235,11 +1250,11 @@ window.loomRunCharts = (page, run, requestFrame) => {
   }
 
   function createPlots() {
-    for (const [key, spec] of Object.entries(SERIES)) {
-      Plotly.newPlot(elements[key], [], lineLayout(spec.axis, ""), C.PLOT_CONFIG);
+    for (const key of CHARTS) {
+      Plotly.newPlot(elements[key], [], lineLayout(SERIES[key].axis, ""), C.PLOT_CONFIG);
       C.onStepRange(elements[key], (range) => {
-        seriesRange[key] = range;
-        fetchSeries([key], range).catch(showError);
+        for (const drawn of DRAWN_ON[key]) seriesRange[drawn] = range;
+        fetchSeries(DRAWN_ON[key], range).catch(showError);
       });
     }
     for (const [metric, spec] of Object.entries(RANK_METRICS)) {

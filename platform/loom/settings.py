@@ -58,6 +58,7 @@ INSTALLED_APPS = [
     "loom.planner",
     "loom.checkpoints",
     "loom.alerts",
+    "loom.datasets",
 ]
 
 MIDDLEWARE = [
@@ -207,6 +208,14 @@ LOOM_URL = os.environ.get("LOOM_URL", "http://127.0.0.1:8000")
 # stored events through the channel layer.
 LOOM_INGEST_URL = os.environ.get("LOOM_INGEST_URL", LOOM_URL)
 LOOM_RUNS_DIR = Path(os.environ.get("LOOM_RUNS_DIR", LOOM_HOME / "runs"))
+# Directories users may register prepared datasets and import Hugging Face models from (comma-separated): a
+# registered path must resolve, symlinks followed, inside one of them. Where imported models are converted to and
+# checkpoints exported to. Each is created when first used.
+LOOM_DATA_ROOTS = [
+    Path(root) for root in os.environ.get("LOOM_DATA_ROOTS", str(LOOM_HOME / "data")).split(",") if root.strip()
+]
+LOOM_MODELS_DIR = Path(os.environ.get("LOOM_MODELS_DIR", LOOM_HOME / "models"))
+LOOM_EXPORTS_DIR = Path(os.environ.get("LOOM_EXPORTS_DIR", LOOM_HOME / "exports"))
 # The GPUs the launch backend's ranks train on, comma-separated as torch names them ("NVIDIA H100 80GB
 # HBM3"), or "none" for CPU; unset, the web process asks torch on its own machine (runs/hardware.py).
 LOOM_LAUNCH_GPUS = os.environ.get("LOOM_LAUNCH_GPUS")

@@ -9,4 +9,5 @@ urlpatterns = [
     path("", include("loom.checkpoints.page_urls")),
     path("", include("loom.alerts.page_urls")),
     path("", include("loom.accounts.page_urls")),
+    path("", include("loom.datasets.page_urls")),
 ]

@@ -7,7 +7,7 @@ import pytest
 
 from loom.alerts import detectors
 from loom.alerts.detectors import StepRow
-from trainer.config import AlertsConfig, ParallelConfig
+from trainer.config import AlertsConfig, ConfigError, ParallelConfig, parse_config
 
 CONFIG = AlertsConfig()
 TOKENS_PER_STEP = 10_000
@@ -260,3 +260,58 @@ def test_robust_z_ignores_one_outlier_in_the_window():
     history = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 50.0]
     assert detectors.robust_z(1.2, history) < 6
     assert detectors.robust_z(3.0, history) > 6
+
+
+def evaluated_rows(eval_loss, train_loss=lambda step: 3.0 - step / 1000, interval=100, steps=600) -> list[StepRow]:
+    """Every step's training loss, and validation loss every `interval` steps (as eval.interval_steps gives it)."""
+    return [
+        StepRow(step, loss=train_loss(step), eval_loss=eval_loss(step) if step % interval == 0 else None)
+        for step in range(1, steps + 1)
+    ]
+
+
+def test_rising_validation_loss_while_training_loss_falls_is_overfitting():
+    # Validation falls until step 300, then rises at each of steps 400, 500 and 600; training keeps falling.
+    rows = evaluated_rows(lambda step: 2.5 - step / 1000 if step <= 300 else 2.2 + (step - 300) / 1000)
+    (finding,) = detectors.overfit(rows, CONFIG)
+    assert (finding.rule, finding.step, finding.severity, finding.rank) == (detectors.OVERFIT, 600, "warning", None)
+    assert finding.details["steps"] == [300, 400, 500, 600]
+    assert finding.details["eval_losses"] == pytest.approx([2.2, 2.3, 2.4, 2.5])
+    assert finding.details["train_loss_after"] < finding.details["train_loss_before"]
+    assert "validation loss rose from 2.2 to 2.5 (+13.6%) over the evaluations at steps 300–600" in finding.message
+    assert "training loss fell" in finding.message and "overfitting" in finding.message
+
+
+@pytest.mark.parametrize(
+    ("eval_loss", "train_loss"),
+    [
+        # Both falling: learning.
+        (lambda step: 2.5 - step / 1000, lambda step: 3.0 - step / 1000),
+        # Rising at two evaluations of the three needed.
+        (lambda step: 2.5 - step / 1000 if step <= 400 else 2.1 + (step - 400) / 1000, lambda step: 3.0 - step / 1000),
+        # Rising, but training loss rises too: diverging, which the spike detectors are for.
+        (lambda step: 2.0 + step / 1000, lambda step: 2.0 + step / 1000),
+        # Rising by a hair (0.1 % in all): no trend.
+        (lambda step: 2.0 + step / 1e6, lambda step: 3.0 - step / 1000),
+        # Flat.
+        (lambda step: 2.0, lambda step: 3.0 - step / 1000),
+    ],
+    ids=["learning", "too-few-rises", "diverging", "a-hairs-rise", "flat"],
+)
+def test_no_overfitting_otherwise(eval_loss, train_loss):
+    assert detectors.overfit(evaluated_rows(eval_loss, train_loss), CONFIG) == []
+
+
+def test_a_run_without_evaluations_is_never_overfitting():
+    assert detectors.overfit(training_rows(300), CONFIG) == []
+    # Fewer evaluations than overfit_evaluations + 1, however they move.
+    rows = evaluated_rows(lambda step: step / 100, steps=300)
+    assert detectors.overfit(rows, CONFIG) == []
+    assert detectors.overfit(rows, CONFIG.model_copy(update={"overfit_evaluations": 2}))
+
+
+def test_overfit_settings_are_validated_by_field():
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"alerts": {"overfit_evaluations": 0, "overfit_rise": -0.1}})
+    assert set(refused.value.errors) == {"alerts.overfit_evaluations", "alerts.overfit_rise"}
+    assert "greater than or equal to 1" in refused.value.errors["alerts.overfit_evaluations"]

@@ -26,6 +26,7 @@ from loom.accounts.models import ApiToken
 from loom.accounts.services import create_api_token
 from loom.alerts.models import Alert, Webhook
 from loom.checkpoints.models import Checkpoint, Pin
+from loom.datasets.models import CheckpointExport, Dataset, PretrainedModel
 from loom.runs.models import Attempt, Run
 
 from .helpers import TINY_CONFIG, claimed_run
@@ -125,6 +126,18 @@ MATRIX = {
     ("api/plan/search", "POST"): everyones(body={}),
     ("api/plan/traffic", "POST"): everyones(body={}),
     ("api/plan/export", "POST"): everyones(body={}),
+    # Datasets, imported models and checkpoint exports: each user's own.
+    ("datasets/", "GET"): everyones(),
+    ("datasets/<int:dataset_id>/", "GET"): Ask(),
+    ("api/datasets", "GET"): everyones(),
+    ("api/datasets", "POST"): everyones(body={"name": "b's dataset", "path": "/nowhere"}),
+    ("api/datasets/<dataset_id>", "GET"): Ask(),
+    ("api/models", "GET"): everyones(),
+    ("api/models", "POST"): everyones(body={"name": "b's model", "path": "/nowhere"}),
+    ("api/models/<model_id>", "GET"): Ask(),
+    ("api/checkpoints/<checkpoint_id>/export", "POST"): Ask(body={}),
+    ("api/exports", "GET"): everyones(),
+    ("api/exports/<export_id>", "GET"): Ask(),
 }
 
 SOCKETS = {
@@ -234,6 +247,18 @@ def world(platform_user, other_user, runs_dir):
     )
     webhook = Webhook.objects.create(owner=owner, url=f"https://{MARK}-hook.invalid/alerts", run=run)
     create_api_token(owner, f"{MARK}-token")
+    dataset = Dataset.objects.create(
+        owner=owner,
+        name=f"{MARK}-dataset",
+        path=str(runs_dir / f"{MARK}-dataset"),
+        vocab_size=257,
+        tokenizer_kind="bytes",
+        train_tokens=1000,
+        validation_tokens=10,
+        shards=2,
+    )
+    model = PretrainedModel.objects.create(owner=owner, name=f"{MARK}-model", source_path=f"/{MARK}/llama")
+    export = CheckpointExport.objects.create(checkpoint=checkpoint, requested_by=owner, out_path=f"/{MARK}/export")
     ids = {
         "run_id": run.pk,
         "number": attempt.number,
@@ -243,6 +268,9 @@ def world(platform_user, other_user, runs_dir):
         "webhook_id": webhook.pk,
         "token_id": ApiToken.objects.get(user=owner).pk,
         "name": "node-of-a",
+        "dataset_id": dataset.pk,
+        "model_id": model.pk,
+        "export_id": export.pk,
     }
     return World(owner, other_user, create_api_token(other_user, "b's own"), ids)
 
@@ -257,6 +285,9 @@ def owners_things(owner) -> str:
         *Checkpoint.objects.filter(run__owner=owner),
         *Pin.objects.filter(checkpoint__run__owner=owner),
         *ApiToken.objects.filter(user=owner),
+        *Dataset.objects.filter(owner=owner),
+        *PretrainedModel.objects.filter(owner=owner),
+        *CheckpointExport.objects.filter(requested_by=owner),
     ]
     return serializers.serialize("json", rows)
 

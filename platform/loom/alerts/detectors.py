@@ -7,6 +7,7 @@ mean and standard deviation can); conditions (a drop, creep, a straggler) by the
 """
 
 import functools
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -20,6 +21,7 @@ LOSS_SPIKE = "loss_spike"
 GRAD_NORM_SPIKE = "grad_norm_spike"
 THROUGHPUT_DROP = "throughput_drop"
 MEMORY_CREEP = "memory_creep"
+OVERFIT = "overfit"
 STRAGGLER = "straggler"
 RANK_EXIT = "rank_exit"
 HANG = "hang"
@@ -48,6 +50,8 @@ class StepRow:
     memory_rank: int | None = None
     # The step's wall time: the slowest rank's.
     step_time_s: float | None = None
+    # Validation loss, on the steps the run evaluated.
+    eval_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,39 @@ def memory_creep(rows: Sequence[StepRow], config: AlertsConfig) -> list[Finding]
     details = {"first_third_bytes": first, "last_third_bytes": last, "steps": [series[0].step, latest.step]}
     rank = latest.memory_rank
     return [Finding(MEMORY_CREEP, latest.step, WARNING, message, rank=rank, ranks=(rank,), details=details)]
+
+
+def overfit(rows: Sequence[StepRow], config: AlertsConfig) -> list[Finding]:
+    """Validation loss higher at each of the last overfit_evaluations evaluations than at the one before, by
+    overfit_rise in all, while training loss fell over those steps (the median of the later half of its steps
+    below the earlier half's): the model is learning its training data rather than the task. A run that never
+    evaluates, or whose training loss rises too (diverging), raises nothing."""
+    evaluations = _values(rows, "eval_loss")[-(config.overfit_evaluations + 1) :]
+    if len(evaluations) <= config.overfit_evaluations:
+        return []
+    (first_step, first), (last_step, last) = evaluations[0], evaluations[-1]
+    rising = all(later > earlier for (_, earlier), (_, later) in itertools.pairwise(evaluations))
+    if not rising or last < (1 + config.overfit_rise) * first:
+        return []
+    training = [loss for step, loss in _values(rows, "loss") if first_step <= step <= last_step]
+    if len(training) < 2:
+        return []
+    half = len(training) // 2
+    before, after = statistics.median(training[:half]), statistics.median(training[-half:])
+    if after >= before:
+        return []
+    message = (
+        f"validation loss rose from {first:.4g} to {last:.4g} (+{last / first - 1:.1%}) over the evaluations at "
+        f"steps {first_step}–{last_step} while training loss fell from {before:.4g} to {after:.4g}: the model is "
+        "overfitting its training data; stop at the checkpoint before the rise, or train on more data"
+    )
+    details = {
+        "steps": [step for step, _ in evaluations],
+        "eval_losses": [value for _, value in evaluations],
+        "train_loss_before": before,
+        "train_loss_after": after,
+    }
+    return [Finding(OVERFIT, last_step, WARNING, message, details=details)]
 
 
 def stragglers(

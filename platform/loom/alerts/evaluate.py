@@ -51,6 +51,7 @@ def evaluate(attempt: Attempt, non_finite_reports: list[tuple[int, int, str, obj
         findings += detectors.throughput_drop(rows, config)
         findings += detectors.memory_creep(_with_memory_rank(attempt, rows), config)
         findings += _stragglers(attempt, config, host)
+        findings += detectors.overfit(_evaluation_rows(attempt, config, judged_through), config)
     latest = max((row.step for row in rows), default=judged_through)
     with transaction.atomic():
         changes = record(attempt, findings, host)
@@ -99,6 +100,29 @@ def _rows_between(attempt: Attempt, after_step: int, through_step: int) -> list[
         )
         for row in grouped
     ]
+
+
+def _evaluation_rows(attempt: Attempt, config: AlertsConfig, judged_through: int) -> list[StepRow]:
+    """The steps from the first of the latest overfit_evaluations + 1 evaluations through the latest, with
+    training loss (one rank's: it is the same on all) and, where evaluated, validation loss; none unless an
+    evaluation came after `judged_through` (until one does, what was found stands)."""
+    evaluated = list(
+        RankStep.objects.filter(attempt=attempt, eval_loss__isnull=False)
+        .values("step")
+        .annotate(eval_loss=Min("eval_loss"))
+        .order_by("-step")[: config.overfit_evaluations + 1]
+    )
+    if len(evaluated) <= config.overfit_evaluations or evaluated[0]["step"] <= judged_through:
+        return []
+    first, latest = evaluated[-1]["step"], evaluated[0]["step"]
+    eval_loss = {row["step"]: row["eval_loss"] for row in evaluated}
+    rank = RankStep.objects.filter(attempt=attempt, step=latest, eval_loss__isnull=False).aggregate(rank=Min("rank"))
+    training = (
+        RankStep.objects.filter(attempt=attempt, rank=rank["rank"], step__gte=first, step__lte=latest)
+        .values_list("step", Coalesce("loss_mean", "loss"))
+        .order_by("step")
+    )
+    return [StepRow(step, loss, eval_loss=eval_loss.get(step)) for step, loss in training]
 
 
 def _with_memory_rank(attempt: Attempt, rows: list[StepRow]) -> list[StepRow]:

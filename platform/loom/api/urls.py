@@ -3,6 +3,7 @@ from ninja import NinjaAPI
 from loom.accounts.api import router as accounts_router
 from loom.alerts.api import router as alerts_router
 from loom.checkpoints.api import router as checkpoints_router
+from loom.datasets.api import router as datasets_router
 from loom.planner.api import router as planner_router
 from loom.runs.api import router as runs_router
 from loom.runs.nodes_api import router as nodes_router
@@ -35,4 +36,5 @@ api.add_router("/", telemetry_router)
 api.add_router("/", checkpoints_router)
 api.add_router("/", alerts_router)
 api.add_router("/", accounts_router)
+api.add_router("/", datasets_router)
 api.add_router("/plan/", planner_router)

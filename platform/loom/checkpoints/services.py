@@ -192,11 +192,16 @@ def unpin(user, run: Run, checkpoint_id: int) -> Checkpoint:
 
 
 def family_of(run: Run) -> list[Run]:
-    """The run, the run it was forked from and so on up, and every run forked from any of them."""
+    """The run, the run it was forked from and so on up, and every run forked from any of them; when the root
+    started from an imported model, every run of the owner's started from that model is a root too."""
     root = run
     while root.forked_from_id is not None:
         root = Run.objects.select_related("forked_from__run").get(pk=root.pk).forked_from.run
-    family, frontier = [root], [root]
+    roots = [root]
+    if root.pretrained_id is not None:
+        siblings = Run.objects.filter(owner_id=run.owner_id, pretrained_id=root.pretrained_id, forked_from=None)
+        roots = list(siblings.order_by("id"))
+    family, frontier = list(roots), list(roots)
     while frontier:
         children = list(Run.objects.filter(forked_from__run__in=frontier, owner_id=run.owner_id).order_by("id"))
         family += children
@@ -205,16 +210,31 @@ def family_of(run: Run) -> list[Run]:
 
 
 def lineage(run: Run) -> dict:
-    """The DAG of a run's family: runs, their attempts (each with the checkpoint it started from) and
-    their checkpoints (each with its parent), ids throughout so a page can draw the edges."""
+    """The DAG of a run's family: the imported models its roots started from, runs, their attempts (each with
+    the checkpoint it started from) and their checkpoints (each with its parent), ids throughout so a page can
+    draw the edges."""
     family = family_of(run)
     attempts = Attempt.objects.filter(run__in=family).order_by("run_id", "number")
     checkpoints = Checkpoint.objects.filter(run__in=family).order_by("run_id", "step", "id")
     trained = Event.objects.filter(run__in=family, kind="metric").values("attempt_id").annotate(last=Max("step"))
     last_steps = {row["attempt_id"]: row["last"] for row in trained}
+    models = {r.pretrained for r in family if r.pretrained_id is not None and r.forked_from_id is None}
     return {
         "run": run.pk,
-        "runs": [{"id": r.pk, "name": r.name, "state": r.state, "forked_from": r.forked_from_id} for r in family],
+        "models": [
+            {"id": model.pk, "name": model.name, "source_path": model.source_path, "reference": model.reference}
+            for model in sorted(models, key=lambda model: model.pk)
+        ],
+        "runs": [
+            {
+                "id": r.pk,
+                "name": r.name,
+                "state": r.state,
+                "forked_from": r.forked_from_id,
+                "pretrained": r.pretrained_id,
+            }
+            for r in family
+        ],
         "attempts": [attempt_node(attempt, last_steps.get(attempt.pk)) for attempt in attempts],
         "checkpoints": [checkpoint_node(checkpoint) for checkpoint in checkpoints],
     }
@@ -335,6 +355,9 @@ def restore(
 
 def _fork(user, run: Run, checkpoint: Checkpoint, config: dict, name: str) -> Attempt:
     with transaction.atomic():
-        fork = Run.objects.create(owner=user, name=name[:200], config=config, forked_from=checkpoint)
+        # It trains on what its origin trained on (the config's dataset reference is the same one).
+        fork = Run.objects.create(
+            owner=user, name=name[:200], config=config, forked_from=checkpoint, dataset_id=run.dataset_id
+        )
         note = f"forked from run {run.pk} at step {checkpoint.step} (attempt {checkpoint.attempt.number})"
         return run_services.queue_attempt(fork, config, Attempt.RESTORE, note, checkpoint)

@@ -12,7 +12,10 @@ from trainer.plan.presets import preset_model
 CLUSTER_PREFIX = "cluster."
 CLUSTER_LABELS = {"cluster.gpu": "GPU", "cluster.nodes": "Nodes", "cluster.gpus_per_node": "GPUs per node"}
 # Fields only the designer asks for; the new-run form's labels cover the rest.
-PLANNER_LABELS = {"model.rope_theta": "RoPE base (theta)"}
+PLANNER_LABELS = {
+    "model.rope_theta": "RoPE base (theta)",
+    "data.global_batch": "Global batch (sequences per step; empty: one pass)",
+}
 
 # (section heading, [field path]): paths under "cluster." are ClusterSpec fields, the others
 # run-config fields. Beyond what the new-run form asks, the designer offers what the planner
@@ -31,7 +34,7 @@ DESIGN_SECTIONS = [
         ],
     ),
     ("Parallelism", [*PARALLEL_PATHS, "parallel.zero_stage", "parallel.ep"]),
-    ("Compute and data", ["compute.precision", "compute.recompute", "data.micro_batch", "steps"]),
+    ("Compute and data", ["compute.precision", "compute.recompute", "data.micro_batch", "data.global_batch", "steps"]),
     ("Cluster", list(CLUSTER_LABELS)),
 ]
 
@@ -75,6 +78,7 @@ def design_input(path: str) -> dict:
         "value": "" if value is None else form_value(value),
         "options": options,
         "type": value_type,
+        "optional": optional,
     }
 
 

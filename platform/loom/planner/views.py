@@ -5,6 +5,8 @@ from django.contrib.auth.decorators import login_required
 from django.shortcuts import render
 from django.urls import reverse
 
+from loom.datasets.services import designer_sources
+
 from .fields import STARTING_PRESET, design_sections
 from .services import catalog
 
@@ -14,6 +16,7 @@ def designer(request):
     page = {
         "catalog": catalog(),
         "preset": STARTING_PRESET,
+        "sources": designer_sources(request.user),
         "urls": {
             "estimate": reverse("api:estimate"),
             "search": reverse("api:search"),

@@ -6,6 +6,7 @@ from typing import Literal
 
 from django import forms
 
+from loom.datasets.services import source_choices
 from trainer.config import RunConfig
 
 # How the pages label the run-config fields they ask for; each field's schema description is its help.
@@ -39,6 +40,8 @@ CONFIG_LABELS = {
     "optimizer.warmup_steps": "Warmup steps",
     "data.micro_batch": "Micro-batch (sequences per data-parallel rank)",
     "data.corpus_bytes": "Corpus bytes",
+    "data.dataset": "Dataset",
+    "checkpoint.init_from": "Start from",
     "checkpoint.interval_steps": "Save a checkpoint every (steps)",
     "checkpoint.keep_last": "Checkpoints kept",
     "restart.max_restarts": "Automatic restarts",
@@ -64,9 +67,17 @@ CONFIG_SECTIONS = [
     ("Parallelism", PARALLEL_PATHS),
     ("Compute", ["compute.precision"]),
     ("Optimizer", ["optimizer.lr", "optimizer.warmup_steps"]),
-    ("Data", ["data.micro_batch", "data.corpus_bytes"]),
-    ("Checkpoints", ["checkpoint.interval_steps", "checkpoint.keep_last", "restart.max_restarts"]),
+    ("Data", ["data.dataset", "model.vocab", "data.micro_batch", "data.corpus_bytes"]),
+    (
+        "Checkpoints",
+        ["checkpoint.init_from", "checkpoint.interval_steps", "checkpoint.keep_last", "restart.max_restarts"],
+    ),
 ]
+# Chosen among the user's own objects, by reference; left empty, the config does not name one.
+SOURCE_CHOICES_EMPTY = {
+    "data.dataset": "the demo corpus (Python's standard library, byte-level)",
+    "checkpoint.init_from": "fresh weights",
+}
 
 CONFIG_PATHS = frozenset(path for _, paths in CONFIG_SECTIONS for path in paths)
 
@@ -121,11 +132,20 @@ class NewRunForm(forms.Form):
 
     name = forms.CharField(label="Name", required=False, widget=forms.TextInput(attrs={"autofocus": True}))
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, user=None, **kwargs):
         super().__init__(*args, **kwargs)
         for _, paths in CONFIG_SECTIONS:
             for path in paths:
                 self.fields[path] = config_input(path)
+        choices = source_choices(user) if user is not None else {}
+        for path, empty in SOURCE_CHOICES_EMPTY.items():
+            self.fields[path] = forms.ChoiceField(
+                label=CONFIG_LABELS[path],
+                required=False,
+                initial="",
+                help_text=config_field(path).description,
+                choices=[("", empty), *choices.get(path, [])],
+            )
 
     def sections(self):
         """(heading, bound fields) for the template to lay out as fieldsets."""
@@ -135,6 +155,8 @@ class NewRunForm(forms.Form):
         """The name and the nested run-config document, values exactly as typed."""
         document: dict = {}
         for path in CONFIG_PATHS:
+            if path in SOURCE_CHOICES_EMPTY and not self[path].value():
+                continue
             *sections, name = path.split(".")
             target = document
             for section in sections:

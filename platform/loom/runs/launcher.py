@@ -16,6 +16,7 @@ from django.db import connection, transaction
 
 from loom.accounts.tokens import hash_token, mint_token
 from loom.checkpoints.services import checkpoint_dir_for
+from loom.datasets.references import SourceGone, with_directories
 from loom.telemetry.services import record_platform_event
 from trainer.config import world_size_of
 
@@ -82,9 +83,11 @@ def work_dir_for(attempt: Attempt) -> Path:
 
 def trainer_config(attempt: Attempt, work_dir: Path) -> dict:
     """The attempt's config as its ranks read it: checkpoints go to the attempt's own directory, whatever the
-    stored config says (one stored before the platform refused directories may name one)."""
-    checkpoint = {**attempt.config.get("checkpoint", {}), "directory": str(checkpoint_dir_for(work_dir))}
-    return {**attempt.config, "checkpoint": checkpoint}
+    stored config says (one stored before the platform refused directories may name one), and the dataset and
+    starting weights it names by reference are their directories (SourceGone when one was deleted since)."""
+    config = with_directories(attempt.config)
+    checkpoint = {**config.get("checkpoint", {}), "directory": str(checkpoint_dir_for(work_dir))}
+    return {**config, "checkpoint": checkpoint}
 
 
 def launch(attempt_id: int) -> str:
@@ -102,11 +105,11 @@ def launch(attempt_id: int) -> str:
     work_dir = work_dir_for(attempt)
     (work_dir / "logs").mkdir(parents=True, exist_ok=True)
     config_path = work_dir / "config.json"
-    config_path.write_text(json.dumps(trainer_config(attempt, work_dir), indent=2))
     try:
+        config_path.write_text(json.dumps(trainer_config(attempt, work_dir), indent=2))
         spec = launch_spec(attempt, token, work_dir, config_path, backend)
         handle = backend.submit(spec)
-    except (OSError, LaunchRefused) as error:
+    except (OSError, LaunchRefused, SourceGone) as error:
         failure = Failure(LAUNCH_ERROR, f"could not submit the attempt to the {backend.name} backend: {error}")
         end_attempt(attempt.pk, Ending(states.FAILED, reason=failure.reason, failure=failure))
         return states.FAILED

@@ -17,6 +17,14 @@ class Run(models.Model):
     forked_from = models.ForeignKey(
         "checkpoints.Checkpoint", on_delete=models.SET_NULL, null=True, blank=True, related_name="forks"
     )
+    # The registered dataset its config's data.dataset names, and the imported model its checkpoint.init_from
+    # starts from; null for the demo corpus and for fresh weights or another run's checkpoint.
+    dataset = models.ForeignKey(
+        "datasets.Dataset", on_delete=models.SET_NULL, null=True, blank=True, related_name="runs"
+    )
+    pretrained = models.ForeignKey(
+        "datasets.PretrainedModel", on_delete=models.SET_NULL, null=True, blank=True, related_name="runs"
+    )
     state = models.CharField(max_length=20, choices=states.CHOICES, default=states.QUEUED)
     # The highest event seq handed out; events take seq numbers under a row lock on the run.
     last_seq = models.BigIntegerField(default=0)

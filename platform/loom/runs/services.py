@@ -9,6 +9,7 @@ from django.http import Http404
 from django.utils import timezone
 
 from loom.checkpoints.models import COMMITTED, Checkpoint
+from loom.datasets.references import RunSources, compatibility_errors, referenced_sources
 from loom.planner.services import estimate_for_run
 from trainer.config import ConfigError, parse_config
 
@@ -33,11 +34,15 @@ class RunConflict(ValueError):
     pass
 
 
-def validate_run_input(name, document, cluster=None, owner=None) -> tuple[str, dict, dict | None, Checkpoint | None]:
+def validate_run_input(
+    name, document, cluster=None, owner=None
+) -> tuple[str, dict, dict | None, Checkpoint | None, RunSources]:
     """The clean name, the config with defaults filled in, given a cluster the planner's estimate of the
-    config on it (its errors keyed "cluster.…" like the config's "config.…"), and the checkpoint it resumes
-    from. The platform places checkpoints: the config names no directory, and resumes from a checkpoint of
-    `owner`'s by reference (resolved_resume), which the stored config holds as that checkpoint's path."""
+    config on it (its errors keyed "cluster.…" like the config's "config.…"), the checkpoint it resumes
+    from, and the dataset and starting weights it names. The platform places checkpoints: the config names no
+    directory, and resumes from a checkpoint of `owner`'s by reference (resolved_resume), which the stored config
+    holds as that checkpoint's path. A dataset and starting weights are `owner`'s too, named by reference
+    (loom.datasets.references), which the stored config keeps: the launcher gives the ranks their directories."""
     errors: dict[str, str] = {}
     if not isinstance(name, str) or not name.strip():
         errors["name"] = "is required"
@@ -46,10 +51,15 @@ def validate_run_input(name, document, cluster=None, owner=None) -> tuple[str, d
     config = None
     placement_errors, document, source = resolved_resume(document, owner)
     errors.update(placement_errors)
+    reference_errors, sources = referenced_sources(document, owner)
+    errors.update(reference_errors)
     try:
         config = parse_config(document)
     except ConfigError as error:
         errors.update({f"config.{field}": message for field, message in error.errors.items()})
+    if config is not None:
+        for field, message in compatibility_errors(config, sources).items():
+            errors.setdefault(field, message)
     clean_config = config.model_dump(mode="json") if config is not None else None
     estimate = None
     if clean_config is not None and cluster is not None:
@@ -59,7 +69,7 @@ def validate_run_input(name, document, cluster=None, owner=None) -> tuple[str, d
             errors.update({estimate_error_key(field): message for field, message in error.errors.items()})
     if errors:
         raise RunInputError(errors)
-    return name.strip(), clean_config, estimate, source
+    return name.strip(), clean_config, estimate, source, sources
 
 
 RESUME_REFERENCES = (
@@ -118,7 +128,7 @@ def create_run(owner, name, document, cluster=None) -> Run:
     """Validate, store the run with its first attempt (and, given a cluster, its estimate on it),
     and queue the launch once committed."""
 
-    clean_name, config, estimate, source = validate_run_input(name, document, cluster, owner)
+    clean_name, config, estimate, source, sources = validate_run_input(name, document, cluster, owner)
     if errors := launch_limit_errors(config):
         raise RunInputError(errors)
     with transaction.atomic():
@@ -127,7 +137,15 @@ def create_run(owner, name, document, cluster=None) -> Run:
         if errors := owner_limit_errors(owner, config):
             raise RunInputError(errors)
         # A run that resumes from a checkpoint of another run is that run's fork, in its lineage from the start.
-        run = Run.objects.create(owner=owner, name=clean_name, config=config, estimate=estimate, forked_from=source)
+        run = Run.objects.create(
+            owner=owner,
+            name=clean_name,
+            config=config,
+            estimate=estimate,
+            forked_from=source,
+            dataset=sources.dataset,
+            pretrained=sources.pretrained,
+        )
         queue_attempt(run, config, Attempt.CREATED, source=source)
     return run
 

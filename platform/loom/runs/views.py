@@ -23,6 +23,12 @@ SERIES_CHARTS = [
     {"id": "tokens-chart", "title": "Tokens/s, all ranks", "series": "tokens_per_s"},
     {"id": "mfu-chart", "title": "MFU", "series": "mfu"},
 ]
+# The comparison page's own: each run's validation loss on one chart (the run page draws it on the loss chart).
+COMPARE_CHARTS = [
+    *SERIES_CHARTS[:1],
+    {"id": "eval-loss-chart", "title": "Validation loss", "series": "eval_loss"},
+    *SERIES_CHARTS[1:],
+]
 COMPARE_RUNS_MAX = 8
 
 
@@ -46,8 +52,8 @@ def run_list(request):
 @login_required
 def new_run(request):
     if request.method != "POST":
-        return render(request, "runs/new.html", {"form": NewRunForm()})
-    form = NewRunForm(request.POST)
+        return render(request, "runs/new.html", {"form": NewRunForm(user=request.user)})
+    form = NewRunForm(request.POST, user=request.user)
     try:
         run = services.create_run(request.user, *form.run_input())
     except services.RunInputError as error:
@@ -73,6 +79,8 @@ def run_detail(request, run_id: int):
             "checkpoints": reverse("api:run_checkpoints", args=[run.pk]),
             "resilience": reverse("api:run_resilience", args=[run.pk]),
             "restore": reverse("api:restore", args=[run.pk]),
+            "exportCheckpoint": reverse("api:export_checkpoint", args=[0]),
+            "exports": reverse("api:export_detail", args=[0]),
         },
         "socketPath": f"/ws/runs/{run.pk}/",
         "terminalStates": sorted(states.TERMINAL),
@@ -108,7 +116,7 @@ def run_compare(request):
     context = {
         "runs": runs,
         "page": page,
-        "series_charts": SERIES_CHARTS,
+        "series_charts": COMPARE_CHARTS,
         "left_out": len(ids) - len(runs),
         "runs_max": COMPARE_RUNS_MAX,
     }

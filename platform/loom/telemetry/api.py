@@ -133,8 +133,9 @@ def _ranks(ranks: str) -> list[int] | None:
 
 @router.get("/runs/{run_id}/metrics/series", response={200: dict, 400: FieldErrors})
 def metric_series(request, run_id: int, width: int = 800, start: int | None = None, end: int | None = None):
-    """Per attempt: loss (mean over ranks), grad norm, lr, tokens/s (all ranks) and MFU over steps,
-    downsampled to the width (each bucket's first, lowest, highest and last point)."""
+    """Per attempt: loss (mean over ranks), validation loss (eval_loss, on the steps evaluated only), grad
+    norm, lr, tokens/s (all ranks) and MFU over steps, downsampled to the width (each bucket's first, lowest,
+    highest and last point)."""
     run = run_services.run_for(request.user, run_id)
     return _chart(lambda: charts.series(run, _width(width), start, end))
 

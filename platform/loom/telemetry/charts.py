@@ -25,7 +25,10 @@ from .median import Median
 from .models import Event, RankStatus, RankStep, RankTile
 from .store import TILE_SPANS
 
-SERIES = ("loss_mean", "grad_norm", "lr", "tokens_per_s", "mfu")
+SERIES = ("loss_mean", "eval_loss", "grad_norm", "lr", "tokens_per_s", "mfu")
+# Series of the steps that report them only (validation loss, every eval.interval_steps): the steps between
+# are no gap in the curve.
+SPARSE_SERIES = frozenset({"eval_loss"})
 RANK_METRICS = {"step_time_s": "step_time", "memory_bytes": "memory", "compute_s": "compute"}
 # Attempts with more ranks than this get a band (min/median/max over ranks) unless ranks are picked.
 LINE_RANKS_MAX = 8
@@ -76,9 +79,9 @@ def _world_size(attempt: Attempt) -> int:
 
 
 def series(run: Run, width: int, start: int | None = None, end: int | None = None) -> dict:
-    """Per attempt, the run-level curves over steps. Loss (mean over ranks), grad norm, lr and MFU are
-    the same on every rank, so the lowest reporting rank's are the run's; its batch's tokens/s times the
-    data-parallel degree is the run's."""
+    """Per attempt, the run-level curves over steps. Loss (mean over ranks), validation loss (on the steps
+    evaluated), grad norm, lr and MFU are the same on every rank, so the lowest reporting rank's are the
+    run's; its batch's tokens/s times the data-parallel degree is the run's."""
     last_seq = _last_seq(run)
     answers = []
     for attempt in run.attempts.order_by("number"):
@@ -96,7 +99,11 @@ def series(run: Run, width: int, start: int | None = None, end: int | None = Non
             values = [row[index] for row in table]
             if name == "tokens_per_s":
                 values = [None if value is None else value * data_parallel for value in values]
-            kept_steps, kept_values = min_max(steps, values, max(1, width // 2))
+            shown_steps = steps
+            if name in SPARSE_SERIES:
+                shown_steps = [step for step, value in zip(steps, values, strict=True) if value is not None]
+                values = [value for value in values if value is not None]
+            kept_steps, kept_values = min_max(shown_steps, values, max(1, width // 2))
             curves[name] = {"step": kept_steps, "value": kept_values}
         answers.append(
             {

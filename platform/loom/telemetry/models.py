@@ -118,12 +118,21 @@ class RankStep(models.Model):
     compute_s = models.FloatField(
         null=True, help_text="The step minus its collectives: the rank's own work (with the collective recorder on)."
     )
+    eval_loss = models.FloatField(
+        null=True, help_text="Validation loss, on the steps the run evaluated (the same on every rank)."
+    )
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["attempt", "rank", "step"], name="rank_step_unique")]
         # Rank lines read (attempt, rank, step); heatmaps and bands of a zoomed-in window read
-        # (attempt, step).
-        indexes = [models.Index(fields=["attempt", "step"], name="rank_step_by_step")]
+        # (attempt, step). The overfitting detector reads an attempt's latest evaluations: a step in
+        # hundreds evaluates, and only those rows are in its index.
+        indexes = [
+            models.Index(fields=["attempt", "step"], name="rank_step_by_step"),
+            models.Index(
+                fields=["attempt", "step"], name="rank_step_evaluated", condition=models.Q(eval_loss__isnull=False)
+            ),
+        ]
 
 
 class RankTile(models.Model):

@@ -75,6 +75,7 @@ RANK_STEPS = bulk.Table(
         ("memory_bytes", "bigint"),
         ("memory_peak_bytes", "bigint"),
         ("compute_s", "float8"),
+        ("eval_loss", "float8"),
     ),
 )
 RANK_STEP_COLUMNS = [name for name, _ in RANK_STEPS.columns]
@@ -340,6 +341,7 @@ def rank_step_row(run_id: int, attempt_id: int, rank: int, step: int, time, payl
         _whole(memory),
         _whole(memory_peak),
         _number(payload.get("compute_s")),
+        _number(payload.get("eval_loss")),
     )
 
 
