@@ -95,9 +95,25 @@ def test_tokens_per_step_and_mfu_count_the_global_batch():
     assert (layout["global_batch"], layout["sequences_per_pass"], layout["accumulation_steps"]) == (128, 32, 4)
 
 
-def test_memory_is_one_passs_whatever_the_accumulation():
-    one, four = planned({"dp_shard": 16}, 1), planned({"dp_shard": 16}, PASSES)
+def memory_terms(result) -> dict[str, float]:
+    return {item.name: item.value for item in result.memory[0].terms}
+
+
+def test_accumulating_under_ddp_holds_no_more_memory_than_one_pass():
+    one, four = planned({"dp_replicate": 16}, 1), planned({"dp_replicate": 16}, PASSES)
     assert [rank.reserved_bytes for rank in four.memory] == [rank.reserved_bytes for rank in one.memory]
+
+
+def test_accumulating_under_fsdp_holds_every_gradient_unsharded_between_passes():
+    """Inner passes skip the reduce-scatter, so FSDP2 keeps the whole model's gradients on every rank, in fp32."""
+    one, four = memory_terms(planned({"dp_shard": 16}, 1)), memory_terms(planned({"dp_shard": 16}, PASSES))
+    assert "FSDP accumulated gradients" not in one and "FSDP unsharded gradients" in one
+    assert "FSDP unsharded gradients" not in four
+    sharded_gradients = one["gradients"]
+    assert four["FSDP accumulated gradients"] == pytest.approx(16 * sharded_gradients, rel=0.02)
+    assert {name: value for name, value in four.items() if name != "FSDP accumulated gradients"} == {
+        name: value for name, value in one.items() if name != "FSDP unsharded gradients"
+    }
 
 
 def test_a_global_batch_that_passes_do_not_divide_is_refused_by_field():

@@ -272,3 +272,37 @@ def test_the_lineage_has_an_imported_model_as_the_root_of_the_runs_started_from_
     ]
     alone = api(client, "get", f"/api/runs/{fresh.json()['id']}/lineage", token).json()
     assert (alone["models"], [run["pretrained"] for run in alone["runs"]]) == ([], [None])
+
+
+def test_a_model_directory_with_a_weights_file_linked_out_of_the_roots_is_refused(
+    client, platform_user, token_for, data_root, tmp_path
+):
+    token = token_for(platform_user[0])
+    outside = tmp_path / "outside-weights"
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"not for you")
+    model_dir = data_root / "linked-llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    (model_dir / "model.safetensors").symlink_to(outside / "model.safetensors")
+
+    response = api(client, "post", "/api/models", token, {"name": "linked", "path": str(model_dir)})
+    assert response.status_code == 400, response.content
+    assert response.json()["errors"] == {
+        "path": "model.safetensors is a link out of the data roots; copy the file in instead"
+    }
+    assert not PretrainedModel.objects.exists()
+
+
+def test_a_dataset_swapped_for_a_link_out_of_the_roots_after_registering_shows_no_samples(
+    client, platform_user, token_for, data_root, tmp_path
+):
+    token = token_for(platform_user[0])
+    registered = register(client, token, "fox", text_dataset(data_root / "fox")).json()
+    secret = text_dataset(tmp_path / "secret")
+    shutil.rmtree(data_root / "fox")
+    (data_root / "fox").symlink_to(secret)
+
+    detail = api(client, "get", f"/api/datasets/{registered['id']}", token).json()
+    assert detail["samples"] == []
+    assert "must lie inside one of the data roots" in detail["samples_problem"]

@@ -184,13 +184,25 @@ def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[
                     f"every block stays gathered from forward to backward: {c} B × {count(elements.unsharded)}",
                 )
             )
-        terms.append(
-            Term(
-                "FSDP unsharded gradients",
-                reduce_bytes * per_layer,
-                f"one block's gradients before reduce-scatter: {reduce_bytes} B × {count(round(per_layer))}",
+        if layout.config.accumulation_steps > 1:
+            # loom's trainer skips the reduce-scatter on inner accumulation passes (set_requires_gradient_sync),
+            # so FSDP2 keeps every block's gradients whole, accumulated in fp32, until the last pass.
+            terms.append(
+                Term(
+                    "FSDP accumulated gradients",
+                    4 * elements.unsharded,
+                    f"gradients held unsharded between {layout.config.accumulation_steps} accumulation passes: "
+                    f"4 B × {count(elements.unsharded)}",
+                )
             )
-        )
+        else:
+            terms.append(
+                Term(
+                    "FSDP unsharded gradients",
+                    reduce_bytes * per_layer,
+                    f"one block's gradients before reduce-scatter: {reduce_bytes} B × {count(round(per_layer))}",
+                )
+            )
     elif parallel.zero == 0 and parallel.data_parallel > 1:
         terms.append(
             Term(

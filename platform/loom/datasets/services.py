@@ -37,6 +37,10 @@ def data_roots() -> list[Path]:
     return [Path(os.path.realpath(root)) for root in settings.LOOM_DATA_ROOTS]
 
 
+def _inside_roots(resolved: Path) -> bool:
+    return any(resolved == root or root in resolved.parents for root in data_roots())
+
+
 def path_inside_roots(path, field: str) -> Path:
     """`path` resolved, symlinks followed, when it is a directory inside one of LOOM_DATA_ROOTS; else InputError
     keyed by `field` naming the roots."""
@@ -47,9 +51,8 @@ def path_inside_roots(path, field: str) -> Path:
     if not os.path.isabs(path):
         raise InputError({field: f"must be an absolute path, not {path!r}"})
     resolved = Path(os.path.realpath(path))
-    roots = data_roots()
-    if not any(resolved == root or root in resolved.parents for root in roots):
-        listed = ", ".join(str(root) for root in roots)
+    if not _inside_roots(resolved):
+        listed = ", ".join(str(root) for root in data_roots())
         raise InputError({field: f"must lie inside one of the data roots ({listed}), symlinks followed"})
     if not resolved.is_dir():
         raise InputError({field: f"{path} is not a directory"})
@@ -152,7 +155,8 @@ def dataset_for(user, dataset_id: int) -> Dataset:
 def samples(dataset: Dataset, count: int = SAMPLE_COUNT, tokens: int = SAMPLE_TOKENS) -> list[dict]:
     """A few training sequences as the ranks read them, from evenly spaced places of the train split: each with
     where it starts, its token ids and its text."""
-    prepared = PreparedDataset.open(dataset.path)
+    # Checked again as it is read: what the page shows must still come from inside the data roots.
+    prepared = checked_dataset(path_inside_roots(dataset.path, "path"))
     shards = prepared.shards("train")
     total = sum(len(shard) for shard in shards)
     length = min(tokens, total)
@@ -210,6 +214,16 @@ def dataset_summary(dataset: Dataset) -> dict:
 # Imported models.
 
 
+def confined_model_directory(path) -> Path:
+    """A Hugging Face directory inside the data roots whose every entry resolves inside them too: a weights file
+    linked to elsewhere is refused, at the request and again when the worker reads it (a link placed since)."""
+    resolved = path_inside_roots(path, "path")
+    for entry in sorted(resolved.iterdir()):
+        if not _inside_roots(Path(os.path.realpath(entry))):
+            raise InputError({"path": f"{entry.name} is a link out of the data roots; copy the file in instead"})
+    return resolved
+
+
 def import_model(owner, name, path) -> PretrainedModel:
     """Queue converting the Hugging Face directory `path` (inside LOOM_DATA_ROOTS) into a loom checkpoint."""
     errors: dict[str, str] = {}
@@ -219,7 +233,7 @@ def import_model(owner, name, path) -> PretrainedModel:
     except InputError as error:
         errors |= error.errors
     try:
-        source = path_inside_roots(path, "path")
+        source = confined_model_directory(path)
         if not (source / "config.json").is_file():
             errors["path"] = "holds no config.json: give the directory save_pretrained wrote"
     except InputError as error:
@@ -257,7 +271,7 @@ def convert_model(model_id: int, convert) -> None:
     out_dir = Path(settings.LOOM_MODELS_DIR) / f"model-{model.pk}"
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        config = convert(Path(model.source_path), out_dir)
+        config = convert(confined_model_directory(model.source_path), out_dir)
     except Exception as error:  # noqa: BLE001 - whatever failed, the model says so instead of staying converting
         _finish(PretrainedModel.objects.filter(pk=model_id), FAILED, error=f"{type(error).__name__}: {error}")
         return

@@ -9,6 +9,7 @@ DEMO_CONFIG = {
     "parallel": {"dp_replicate": 2},
     "optimizer": {"lr": 0.003, "warmup_steps": 20},
     "data": {"micro_batch": 8, "corpus_bytes": 2_000_000},
+    "eval": {"interval_steps": 20, "batches": 4},
 }
 
 
