@@ -262,3 +262,27 @@ def test_logout_ends_the_session(logged_in):
     response = logged_in.post("/logout/")
     assert response.status_code == 302 and response["Location"] == "/login/"
     assert logged_in.get("/").status_code == 302
+
+
+@pytest.mark.django_db
+def test_the_form_takes_the_global_batch_of_a_recipe_and_a_validation_interval(logged_in):
+    """micro_batch 4 on 2 replicas is 8 sequences a pass: a global batch of 32 is 4 accumulation passes."""
+    response = logged_in.post(
+        "/runs/new/", {**TINY_FORM, "data.global_batch": "32", "eval.interval_steps": "10", "eval.batches": "2"}
+    )
+    assert response.status_code == 302
+    run = Run.objects.get()
+    assert run.config["data"]["global_batch"] == 32 and run.config["eval"] == {"interval_steps": 10, "batches": 2}
+
+
+@pytest.mark.django_db
+def test_an_empty_global_batch_is_one_pass_and_one_that_passes_do_not_divide_is_refused_on_its_field(logged_in):
+    logged_in.post("/runs/new/", {**TINY_FORM, "data.global_batch": ""})
+    assert Run.objects.get().config["data"]["global_batch"] is None
+    Run.objects.all().delete()
+
+    response = logged_in.post("/runs/new/", {**TINY_FORM, "data.global_batch": "20"})
+    assert response.status_code == 400
+    message = " ".join(field_errors(response, "data.global_batch"))
+    assert "must be a multiple of data.micro_batch × data-parallel ranks = 4 × 2 = 8" in message
+    assert not Run.objects.exists()

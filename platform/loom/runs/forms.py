@@ -39,7 +39,10 @@ CONFIG_LABELS = {
     "optimizer.lr": "Learning rate",
     "optimizer.warmup_steps": "Warmup steps",
     "data.micro_batch": "Micro-batch (sequences per data-parallel rank)",
+    "data.global_batch": "Global batch (sequences per step; empty: one pass)",
     "data.corpus_bytes": "Corpus bytes",
+    "eval.interval_steps": "Validation loss every (steps; 0: never)",
+    "eval.batches": "Validation batches",
     "data.dataset": "Dataset",
     "checkpoint.init_from": "Start from",
     "checkpoint.interval_steps": "Save a checkpoint every (steps)",
@@ -67,7 +70,8 @@ CONFIG_SECTIONS = [
     ("Parallelism", PARALLEL_PATHS),
     ("Compute", ["compute.precision"]),
     ("Optimizer", ["optimizer.lr", "optimizer.warmup_steps"]),
-    ("Data", ["data.dataset", "model.vocab", "data.micro_batch", "data.corpus_bytes"]),
+    ("Data", ["data.dataset", "model.vocab", "data.micro_batch", "data.global_batch", "data.corpus_bytes"]),
+    ("Validation", ["eval.interval_steps", "eval.batches"]),
     (
         "Checkpoints",
         ["checkpoint.init_from", "checkpoint.interval_steps", "checkpoint.keep_last", "restart.max_restarts"],
@@ -102,11 +106,11 @@ def config_input(path: str) -> forms.Field:
             label=label, required=False, initial=form_value(field.default), help_text=field.description,
             choices=[(choice, choice) for choice in choices],
         )  # fmt: skip
-    input_mode = "numeric" if field.annotation is int else "decimal"
+    input_mode = "numeric" if field.annotation in (int, int | None) else "decimal"
     return forms.CharField(
         label=label,
         required=False,
-        initial=form_value(field.default),
+        initial="" if field.default is None else form_value(field.default),
         help_text=field.description,
         widget=forms.TextInput(attrs={"inputmode": input_mode, "autocomplete": "off"}),
     )
@@ -155,7 +159,8 @@ class NewRunForm(forms.Form):
         """The name and the nested run-config document, values exactly as typed."""
         document: dict = {}
         for path in CONFIG_PATHS:
-            if path in SOURCE_CHOICES_EMPTY and not self[path].value():
+            # An empty choice of source, or an empty optional number: the config leaves the field at null.
+            if config_field(path).default is None and not self[path].value():
                 continue
             *sections, name = path.split(".")
             target = document
