@@ -52,7 +52,9 @@ def record_checkpoint_event(attempt: Attempt, event) -> None:
     elif state == "loaded":
         source = _owners_checkpoints(attempt).filter(path=path).order_by("-id").first()
         if source is None:
-            log.warning("%s reported loading %s, which is no checkpoint of its owner's; ignored", attempt, path)
+            # Initial weights may be an imported model's (the run's `pretrained` link already names it).
+            if not payload.get("initial"):
+                log.warning("%s reported loading %s, which is no checkpoint of its owner's; ignored", attempt, path)
             return
         Attempt.objects.filter(pk=attempt.pk).update(restored_from=source)
 
