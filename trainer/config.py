@@ -263,6 +263,14 @@ class DataConfig(_Section):
             "dataset of yours, which the platform turns into its directory."
         ),
     )
+    document_mask: bool = Field(
+        False,
+        description=(
+            "Keep attention within documents: a token after an end-of-text token sees nothing before it (needs a "
+            "dataset; not with pipeline or context parallelism yet). false: sequences packed across documents "
+            "attend across their boundaries, as GPT-style pretraining does."
+        ),
+    )
     corpus: Literal["python-stdlib"] = Field("python-stdlib", description="The demo corpus (without a dataset).")
     corpus_bytes: int = Field(
         2_000_000, ge=10_000, le=200_000_000, description="How many bytes of the demo corpus to train on."
@@ -770,6 +778,15 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
     if data.dataset is None and data.corpus_bytes < model.seq_len + 1:
         minimum = model.seq_len + 1
         refuse("data.corpus_bytes", f"must be at least model.seq_len + 1 = {minimum} to cut one training window")
+    if data.document_mask:
+        if data.dataset is None:
+            refuse("data.document_mask", "needs data.dataset: the demo corpus has no end-of-text tokens")
+        elif parallel.pp > 1 or parallel.cp > 1:
+            refuse(
+                "data.document_mask",
+                "is not supported with parallel.pp > 1 or parallel.cp > 1 yet (the mask follows the token ids, which "
+                "later pipeline stages and other context ranks do not see); use false",
+            )
     per_pass = config.sequences_per_pass
     if data.global_batch is not None and data.global_batch % per_pass:
         near = data.global_batch // per_pass

@@ -44,6 +44,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """causal_attention within documents: `allowed` [B, 1, T, T] says which keys each query may see."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def document_mask(tokens: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """[B, 1, T, T]: query t sees key u when u <= t and both lie in one document. An end-of-text token belongs
+    to the document it ends, so the token after it starts the next one afresh."""
+    ends = tokens == eot_id
+    documents = ends.cumsum(dim=1) - ends.long()
+    same_document = documents[:, :, None] == documents[:, None, :]
+    seq_len = tokens.shape[1]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=tokens.device).tril()
+    return (same_document & causal)[:, None]
+
+
 class Attention(nn.Module):
     """Causal self-attention; kv_heads < heads shares each key/value head among a group of query heads."""
 
@@ -58,16 +74,19 @@ class Attention(nn.Module):
         # How queries meet keys and values; context parallelism swaps in one that gathers them across ranks.
         self.attend = causal_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, dim]; cos/sin cover at least T positions. Head counts are read from the
-        projections' outputs (-1), so the same code runs on a tensor-parallel shard of the heads."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B, T, dim]; cos/sin cover at least T positions; `allowed` a document mask (document_mask) or None
+        for plain causal attention. Head counts are read from the projections' outputs (-1), so the same code
+        runs on a tensor-parallel shard of the heads."""
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = cos[:seq_len], sin[:seq_len]
         q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
-        out = self.attend(q, k, v)
+        out = self.attend(q, k, v) if allowed is None else document_attention(q, k, v, allowed)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -95,8 +114,11 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.mlp = SwiGLU(cfg, kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # `allowed` goes by keyword: tensor parallelism's input plan covers the positional inputs only.
+        x = x + self.attention(self.attention_norm(x), cos, sin, allowed=allowed)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -117,6 +139,8 @@ class Transformer(nn.Module):
         # Non-persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # data.document_mask: the end-of-text token whose documents attention keeps apart (None: plain causal).
+        self.document_end: int | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -146,9 +170,13 @@ class Transformer(nn.Module):
         without the output projection returns them."""
         if tokens.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than model.seq_len={self.cfg.seq_len}")
+        allowed = None
+        if self.document_end is not None:
+            # Built from the token ids, which only the stage holding the embedding sees (the config refuses pp).
+            allowed = document_mask(tokens, self.document_end)
         x = self.embedding(tokens) if self.embedding is not None else tokens
         for block in self.blocks.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, self.rope_cos, self.rope_sin, allowed=allowed)
         if self.norm is not None:
             x = self.norm(x)
         if self.output is None:

@@ -175,10 +175,12 @@ def train(
     flops_per_token = model_flops_per_token(config.model, params_total - model.embedding.weight.numel())
     peak = peak_flops(device)
     global_tokens = config.tokens_per_step
+    sampler = training_data(config)
+    if config.data.document_mask:
+        model.document_end = sampler.dataset.eot_id
     parallel_model = parallelize(model, mesh, config, device)
     parameters = parallel_model.parameters()
     optimizer = build_optimizer(parameters, config.optimizer, device.type == "cuda")
-    sampler = training_data(config)
     data_parallel = config.parallel.data_parallel
     validation = []
     if config.eval.interval_steps:

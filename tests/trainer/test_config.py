@@ -185,3 +185,34 @@ def test_a_corrupted_checkpoint_must_be_one_that_is_saved(checkpoint, step, mess
 def test_a_corrupted_checkpoint_may_be_a_periodic_or_the_final_save(checkpoint, step):
     document = {"steps": 20, "checkpoint": checkpoint, "faults": {"corrupt_checkpoint_step": step}}
     assert parse_config(document).faults.corrupt_checkpoint_step == step
+
+
+def test_a_global_batch_is_whole_passes_of_every_data_parallel_rank():
+    config = parse_config({"parallel": {"dp_shard": 4}, "data": {"micro_batch": 2, "global_batch": 32}})
+    assert (config.sequences_per_pass, config.global_batch, config.accumulation_steps) == (8, 32, 4)
+    assert config.tokens_per_step == 32 * config.model.seq_len
+    one_pass = parse_config({"parallel": {"dp_shard": 4}, "data": {"micro_batch": 2}})
+    assert (one_pass.global_batch, one_pass.accumulation_steps) == (8, 1)
+
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"parallel": {"dp_shard": 4}, "data": {"micro_batch": 2, "global_batch": 30}})
+    assert refused.value.errors == {
+        "data.global_batch": "must be a multiple of data.micro_batch × data-parallel ranks = 2 × 4 = 8; "
+        "valid choices near it: [8, 16, 24, 32, 40, 48]"
+    }
+
+
+@pytest.mark.parametrize(
+    "document, message",
+    [
+        ({}, "needs data.dataset: the demo corpus has no end-of-text tokens"),
+        ({"data": {"dataset": "/data/tokens"}, "parallel": {"pp": 2, "microbatches": 2}}, "parallel.pp > 1"),
+        ({"data": {"dataset": "/data/tokens"}, "parallel": {"cp": 2}}, "parallel.cp > 1"),
+    ],
+)
+def test_a_document_mask_needs_a_dataset_and_no_pipeline_or_context_parallelism(document, message):
+    data = {**document.get("data", {}), "document_mask": True}
+    with pytest.raises(ConfigError) as refused:
+        parse_config({**document, "data": data})
+    assert message in refused.value.errors["data.document_mask"]
+    assert parse_config({"data": {"dataset": "/data/tokens", "document_mask": True}, "parallel": {"tp": 2}})

@@ -91,3 +91,24 @@ def test_the_chunked_loss_equals_cross_entropy_of_the_logits_and_their_gradients
     torch.testing.assert_close(fused, plain)
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(fused_grads[name], parameter.grad, msg=name)
+
+
+def test_a_document_mask_makes_a_packed_document_see_only_itself():
+    """RoPE scores depend on relative positions only, so a document after an end-of-text token, masked off from
+    what precedes it, gets the logits it gets on its own; unmasked, the earlier document changes them."""
+    eot = 255
+    torch.manual_seed(0)
+    model = Transformer(TINY).eval()
+    first, second = tokens(1, 6, seed=1) % eot, tokens(1, 9, seed=2) % eot
+    packed = torch.cat([first, torch.tensor([[eot]]), second], dim=1)
+    with torch.no_grad():
+        alone = model(second)
+        unmasked = model(packed)[:, 7:]
+        model.document_end = eot
+        masked = model(packed)[:, 7:]
+        masked_prefix = model(packed)[:, :7]
+    torch.testing.assert_close(masked, alone, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(unmasked, alone, atol=1e-3)
+    model.document_end = None
+    with torch.no_grad():
+        torch.testing.assert_close(masked_prefix, model(packed)[:, :7])

@@ -1,6 +1,7 @@
 """Every layout trains the same model on the same data: in fp32 its per-step losses and final
 parameters must match a single process's."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -8,7 +9,7 @@ from trainer.config import parse_config
 from trainer.plan.layout import Layout
 from trainer.plan.memory import state_bytes_of_rank
 
-from .token_dataset import stdlib_token_dataset
+from .token_dataset import stdlib_documents, stdlib_token_dataset, write_token_dataset
 from .torchrun import FinishedRun, run_trainer
 
 pytestmark = pytest.mark.slow
@@ -189,3 +190,52 @@ def test_layout_matches_a_single_process_on_a_token_dataset(name, token_dataset,
         for step in EVAL_STEPS:
             assert abs(got[step] - want[step]) <= 1e-5 * want[step], f"rank {rank} step {step}"
             assert got[step] == evaluated[0][step], "the same value on every rank"
+
+
+# data.document_mask: attention kept within documents, in the layouts that take it (pp and cp refuse it).
+MASKED_LAYOUTS = {
+    "ddp2": {"micro_batch_divisor": 2, "dp_replicate": 2},
+    "fsdp2": {"micro_batch_divisor": 2, "dp_shard": 2},
+    "tp2_sp": {"tp": 2},
+    "fsdp2_selective_recompute": {"micro_batch_divisor": 2, "dp_shard": 2, "recompute": "selective"},
+}
+
+
+def masked_layout(dataset, document_mask: bool = True, **parallel) -> dict:
+    document = token_layout(dataset, **parallel)
+    document["data"]["document_mask"] = document_mask
+    return document
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """Documents of 10 to 40 bytes, so most 33-token windows cross an end-of-text token."""
+    stream = np.concatenate(stdlib_documents(60_000))
+    cuts = np.cumsum(np.random.default_rng(0).integers(10, 40, size=len(stream) // 10))
+    documents = np.split(stream, cuts[cuts < len(stream)])
+    directory = tmp_path_factory.mktemp("short") / "dataset"
+    return write_token_dataset(directory, {"train": documents[:-200], "validation": documents[-200:]}, 20_000)
+
+
+@pytest.fixture(scope="module")
+def masked_single_process(tmp_path_factory, short_documents):
+    run = run_trainer(tmp_path_factory.mktemp("masked-single"), masked_layout(short_documents))
+    assert run.returncode == 0, run.failure_report()
+    return run
+
+
+def test_the_document_mask_changes_what_a_single_process_learns(masked_single_process, short_documents, tmp_path):
+    unmasked = run_trainer(tmp_path, masked_layout(short_documents, document_mask=False))
+    assert unmasked.returncode == 0, unmasked.failure_report()
+    assert unmasked.loss_means()[0] != masked_single_process.loss_means()[0]
+
+
+@pytest.mark.parametrize("name", list(MASKED_LAYOUTS))
+def test_a_document_masked_layout_matches_a_single_process(name, short_documents, masked_single_process, tmp_path):
+    run = run_trainer(tmp_path, masked_layout(short_documents, **MASKED_LAYOUTS[name]))
+    assert run.returncode == 0, run.failure_report()
+    for step, (want, got) in enumerate(zip(masked_single_process.loss_means(), run.loss_means(), strict=True), 1):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    reference, parameters = masked_single_process.parameters(), run.parameters()
+    for name_, tensor in reference.items():
+        assert (parameters[name_] - tensor).abs().max() <= 1e-4, name_

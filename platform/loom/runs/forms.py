@@ -40,6 +40,7 @@ CONFIG_LABELS = {
     "optimizer.warmup_steps": "Warmup steps",
     "data.micro_batch": "Micro-batch (sequences per data-parallel rank)",
     "data.global_batch": "Global batch (sequences per step; empty: one pass)",
+    "data.document_mask": "Attention within documents",
     "data.corpus_bytes": "Corpus bytes",
     "eval.interval_steps": "Validation loss every (steps; 0: never)",
     "eval.batches": "Validation batches",
@@ -70,7 +71,17 @@ CONFIG_SECTIONS = [
     ("Parallelism", PARALLEL_PATHS),
     ("Compute", ["compute.precision"]),
     ("Optimizer", ["optimizer.lr", "optimizer.warmup_steps"]),
-    ("Data", ["data.dataset", "model.vocab", "data.micro_batch", "data.global_batch", "data.corpus_bytes"]),
+    (
+        "Data",
+        [
+            "data.dataset",
+            "model.vocab",
+            "data.micro_batch",
+            "data.global_batch",
+            "data.document_mask",
+            "data.corpus_bytes",
+        ],
+    ),
     ("Validation", ["eval.interval_steps", "eval.batches"]),
     (
         "Checkpoints",
