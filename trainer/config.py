@@ -34,6 +34,27 @@ NORM_EPS = 1e-5
 """model.norm_eps's default: the epsilon RMSNorm adds to the mean square before the square root."""
 
 
+class RopeScaling(_Section):
+    """Llama 3.1's stretch of the rotary frequencies to a longer context: wavelengths shorter than
+    original_context / high_freq_factor stay, those longer than original_context / low_freq_factor are divided
+    by factor, and the ones between blend the two."""
+
+    factor: float = Field(8.0, gt=1, le=1024, description="How much the low frequencies are slowed down.")
+    low_freq_factor: float = Field(1.0, gt=0, le=1024, description="original_context / this: the longest kept.")
+    high_freq_factor: float = Field(4.0, gt=0, le=1024, description="original_context / this: the shortest scaled.")
+    original_context: int = Field(
+        8192, ge=1, le=16_777_216, description="The context length the model was first trained at."
+    )
+
+    @field_validator("high_freq_factor")
+    @classmethod
+    def _high_above_low(cls, high: float, info: ValidationInfo) -> float:
+        low = info.data.get("low_freq_factor")
+        if low is not None and high <= low:
+            raise ValueError(f"must be above low_freq_factor={low:g}")
+        return high
+
+
 class ModelConfig(_Section):
     """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
 
@@ -56,6 +77,9 @@ class ModelConfig(_Section):
     )
     mlp: Literal["swiglu", "gelu"] = Field(
         "swiglu", description="Feed-forward block: gated SwiGLU (three matrices) or GELU (two, as in GPT-3)."
+    )
+    rope_scaling: RopeScaling | None = Field(
+        None, description="Llama 3.1's rotary frequency scaling (imported with such a model); null: none."
     )
     norm_eps: float = Field(
         NORM_EPS, gt=0, le=0.1, description="Epsilon RMSNorm adds to the mean square (1e-5 in Llama 2, 1e-6 in some)."

@@ -12,18 +12,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import NORM_EPS, ROPE_BASE, ModelConfig
+from trainer.config import NORM_EPS, ROPE_BASE, ModelConfig, RopeScaling
 from trainer.kernels import TORCH_KERNELS, KernelSet
 
 INIT_STD = 0.02
 
 
-def rotary_tables(seq_len: int, head_dim: int, base: float = ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    seq_len: int, head_dim: int, base: float = ROPE_BASE, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [seq_len, head_dim], laid out for the rotate-half formulation."""
     inverse_frequencies = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        inverse_frequencies = scaled_frequencies(inverse_frequencies, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inverse_frequencies)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def scaled_frequencies(frequencies: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's rescaling: short wavelengths kept, long ones divided by the factor, a linear blend of the
+    two (in original_context / wavelength) between them."""
+    wavelengths = 2 * math.pi / frequencies
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    blend = ((scaling.original_context / wavelengths - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - blend) * frequencies / scaling.factor + blend * frequencies
 
 
 class RMSNorm(nn.Module):
@@ -135,7 +148,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict({str(index): Block(cfg, kernels) for index in range(cfg.layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab, bias=False)
-        cos, sin = rotary_tables(cfg.seq_len, cfg.dim // cfg.heads, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.seq_len, cfg.dim // cfg.heads, cfg.rope_theta, cfg.rope_scaling)
         # Non-persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -89,10 +89,16 @@ def test_the_new_run_form_offers_the_dataset_and_the_starting_weights(sources, o
     page.fill('[name="name"]', "fine-tune")
     for path, value in TINY_RUN_INPUTS.items():
         page.fill(f'[name="{path}"]', value)
+    # A dataset raises the vocabulary to hold its tokenizer's ids; starting weights set the shape they fix.
     dataset_select.select_option(dataset.reference)
+    expect(page.locator('[name="model.vocab"]')).to_have_value("257")
+    page.fill('[name="model.dim"]', "128")
     init_select.select_option(model.reference)
+    expect(page.locator('[name="model.dim"]')).to_have_value("64")
+    expect(page.locator('[name="model.seq_len"]')).to_have_value(TINY_RUN_INPUTS["model.seq_len"])
+    page.fill('[name="model.vocab"]', "256")
     page.click("button:has-text('Create run')")
-    # The vocabulary is still the byte default: refused beside its field, the choices kept.
+    # A vocabulary set below the dataset's: refused beside its field, the choices kept.
     expect(page.locator('.field-error[data-for="model.vocab"]')).to_contain_text("must be at least 257")
     expect(dataset_select).to_have_value(dataset.reference)
 

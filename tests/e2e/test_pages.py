@@ -227,6 +227,7 @@ def test_valid_form_creates_the_run_and_opens_its_page(logged_in, ada):
         "top_k": 1,
         "rope_theta": 10000.0,
         "norm_eps": 1e-5,
+        "rope_scaling": None,
     }
     assert run.config["parallel"]["dp_replicate"] == 2
     assert run.config["optimizer"]["lr"] == 0.003 and run.config["optimizer"]["warmup_steps"] == 2

@@ -147,6 +147,7 @@ def test_torchtitan_without_sharding_has_no_fsdp_policy():
         ({"dp_shard": 8}, {"preset": "gpt3-175b"}, {}, "model.mlp"),
         ({"dp_shard": 8}, {"preset": "gpt3-175b"}, {}, "model.tie_embeddings"),
         ({"dp_shard": 8}, None, {"optimizer": {"offload": True}}, "optimizer.offload"),
+        ({"dp_shard": 8}, {"preset": "llama3-70b", "rope_scaling": {}}, {}, "model.rope_scaling"),
     ],
 )
 def test_torchtitan_refuses_what_it_cannot_run(parallel, model, sections, field):
@@ -272,6 +273,12 @@ def test_megatron_refuses_a_schedule_it_lacks(schedule):
         "parallel.pp_schedule": f"Megatron-LM runs 1F1B and interleaved 1F1B only, not {schedule}; use 1F1B or "
         "Interleaved1F1B"
     }
+
+
+def test_megatron_refuses_rope_scaling_it_has_no_flags_for():
+    with pytest.raises(ExportError) as refused:
+        to_megatron_args(config_of({"dp_shard": 8}, 8, {"preset": "llama3-70b", "rope_scaling": {}}))
+    assert "Megatron-LM" in refused.value.errors["model.rope_scaling"]
 
 
 def test_megatron_refuses_hybrid_sharding_with_fsdp():

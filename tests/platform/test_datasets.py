@@ -306,3 +306,28 @@ def test_a_dataset_swapped_for_a_link_out_of_the_roots_after_registering_shows_n
     detail = api(client, "get", f"/api/datasets/{registered['id']}", token).json()
     assert detail["samples"] == []
     assert "must lie inside one of the data roots" in detail["samples_problem"]
+
+
+def test_a_run_from_imported_weights_takes_the_model_fields_it_leaves_out_from_them(
+    client, platform_user, token_for, data_root
+):
+    """An imported Llama fixes fields no form asks for (its norm epsilon, its RoPE base and scaling): a config
+    that names the weights and leaves those out gets theirs; one that states another value is refused."""
+    user = platform_user[0]
+    token = token_for(user)
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_context": 8192}
+    saved = {**HF_SHAPE, "seq_len": 8192, "rope_theta": 500_000.0, "norm_eps": 1e-6, "rope_scaling": scaling}
+    model = PretrainedModel.objects.create(
+        owner=user, name="llama", source_path=str(data_root / "llama"), model_config=saved, state=READY
+    )
+    shape = {field: HF_SHAPE[field] for field in ("layers", "dim", "heads", "kv_heads", "ffn")}
+    body = run_body("from llama", model={**shape, "seq_len": 64}, checkpoint={"init_from": model.reference})
+    created = api(client, "post", "/api/runs", token, body)
+    assert created.status_code == 201, created.content
+    stored = Run.objects.get(pk=created.json()["id"]).config["model"]
+    assert (stored["seq_len"], stored["vocab"], stored["norm_eps"]) == (64, HF_SHAPE["vocab"], 1e-6)
+    assert (stored["rope_theta"], stored["rope_scaling"]) == (500_000.0, scaling)
+
+    body = run_body("other eps", model={**shape, "norm_eps": 1e-5}, checkpoint={"init_from": model.reference})
+    refused = api(client, "post", "/api/runs", token, body)
+    assert "norm_eps is 1e-06 there, 1e-05 here" in refused.json()["errors"]["config.checkpoint.init_from"]

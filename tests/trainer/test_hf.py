@@ -43,9 +43,11 @@ EXPECTED_MODEL = {
 }
 
 
-def tiny_llama(tied: bool = False) -> LlamaForCausalLM:
-    """A random Llama whose every weight matters: norm gains away from 1, matrices large enough for O(1) logits."""
+def tiny_llama(tied: bool = False, rope: dict | None = None) -> LlamaForCausalLM:
+    """A random Llama whose every weight matters: norm gains away from 1, matrices large enough for O(1) logits;
+    `rope`: its rope_parameters beyond the base (Llama 3.1's scaling)."""
     config = LlamaConfig(
+        **({"rope_parameters": {"rope_theta": 500_000.0, **rope}} if rope else {}),
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -68,8 +70,10 @@ def tiny_llama(tied: bool = False) -> LlamaForCausalLM:
     return model.eval()
 
 
-def save_llama(directory: Path, tied: bool = False, max_shard_size: str | None = None) -> LlamaForCausalLM:
-    model = tiny_llama(tied)
+def save_llama(
+    directory: Path, tied: bool = False, max_shard_size: str | None = None, rope: dict | None = None
+) -> LlamaForCausalLM:
+    model = tiny_llama(tied, rope)
     model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
@@ -130,11 +134,41 @@ def saved_llama(tmp_path_factory) -> Path:
     return directory
 
 
+# Llama 3.1's scaling, with an original context shorter than SEQ_LEN so every band of frequencies occurs.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def test_a_llama_with_llama3_rope_scaling_imports_and_exports_with_its_logits(tmp_path):
+    hf_dir, checkpoint = tmp_path / "hf", tmp_path / "imported"
+    original = save_llama(hf_dir, rope=LLAMA3_ROPE)
+
+    model = import_model(hf_dir, checkpoint, seq_len=SEQ_LEN)
+
+    scaling = {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_context": 16}
+    assert model["rope_scaling"] == scaling and model["rope_theta"] == 500_000.0
+    torch.testing.assert_close(loom_logits(checkpoint), hf_logits(original), rtol=0, atol=1e-5)
+    unscaled = Transformer(ModelConfig.model_validate({**model, "rope_scaling": None}))
+    unscaled.load_state_dict(load_model_state(checkpoint, ModelConfig.model_validate(model)))
+    with torch.no_grad():
+        assert not torch.allclose(unscaled.eval()(TOKENS), hf_logits(original), atol=1e-3)
+
+    exported = export_checkpoint(checkpoint, tmp_path / "exported")
+    reloaded = LlamaForCausalLM.from_pretrained(exported).eval()
+    assert reloaded.config.rope_parameters["rope_type"] == "llama3"
+    torch.testing.assert_close(hf_logits(reloaded), hf_logits(original), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("changes", "field", "words"),
     [
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling", "no scaling"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_parameters.rope_type", "'default'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling.rope_type", "'llama3'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "rope_parameters.rope_type", "'llama3'"),
         ({"attention_bias": True}, "attention_bias", "no biases"),
         ({"mlp_bias": True}, "mlp_bias", "no biases"),
         ({"hidden_act": "gelu"}, "hidden_act", "'silu'"),

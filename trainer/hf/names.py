@@ -1,7 +1,8 @@
 """How a Hugging Face Llama and a loom Transformer name the same things: parameters, and config fields.
 
 Pure Python (no torch), so the platform can check a config.json without loading weights. Both models lay RoPE
-out the rotate-half way, so the query and key projections map one to one, with no permutation.
+out the rotate-half way, so the query and key projections map one to one, with no permutation; Llama 3.1's
+frequency scaling ("llama3") maps to model.rope_scaling, other scalings are refused.
 
 Tied embeddings (one matrix for the token embedding and the output projection) are untied on import: the trainer
 keeps the two apart, and a copy of the embedding as the output projection gives the same logits, so models saved
@@ -53,12 +54,14 @@ HF_FIELDS = {
     "seq_len": "max_position_embeddings",
     "rope_theta": "rope_theta",
     "norm_eps": "rms_norm_eps",
+    "rope_scaling": "rope_parameters",
 }
 REQUIRED_HF_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 # transformers' LlamaConfig defaults, for the fields a config.json may leave out.
 HF_ROPE_THETA = 10_000.0
 HF_RMS_NORM_EPS = 1e-6
 HF_MAX_POSITIONS = 2048
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 class ImportRefused(ValueError):
@@ -107,21 +110,41 @@ def rope_theta_of(hf_config: dict[str, Any]) -> Any:
     return HF_ROPE_THETA if theta is None else theta
 
 
+def rope_scaling_entries(hf_config: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(field, settings) for each place a config.json describes RoPE: rope_scaling (transformers 4),
+    rope_parameters (transformers 5)."""
+    return [
+        (field, hf_config[field])
+        for field in ("rope_scaling", "rope_parameters")
+        if isinstance(hf_config.get(field), dict)
+    ]
+
+
+def rope_scaling_of(hf_config: dict[str, Any]) -> dict[str, Any] | None:
+    """loom's model.rope_scaling for a Llama 3.1-style config.json; None when its RoPE is not scaled."""
+    for _, scaling in rope_scaling_entries(hf_config):
+        if scaling.get("rope_type", scaling.get("type")) == "llama3":
+            return {
+                "factor": scaling.get("factor"),
+                "low_freq_factor": scaling.get("low_freq_factor"),
+                "high_freq_factor": scaling.get("high_freq_factor"),
+                "original_context": scaling.get("original_max_position_embeddings"),
+            }
+    return None
+
+
 def unsupported_fields(hf_config: dict[str, Any]) -> dict[str, str]:
     """config.json settings loom's Transformer cannot reproduce, each with what would be right."""
     errors: dict[str, str] = {}
     model_type = hf_config.get("model_type")
     if model_type != "llama":
         errors["model_type"] = f'is {model_type!r}; loom imports Llama models (model_type "llama") only'
-    if hf_config.get("rope_scaling") is not None:
-        errors["rope_scaling"] = (
-            f"is {hf_config['rope_scaling']!r}; loom's rotary embedding has no scaling: it needs rope_scaling null"
-        )
-    parameters = hf_config.get("rope_parameters")
-    if isinstance(parameters, dict) and parameters.get("rope_type", "default") != "default":
-        errors["rope_parameters.rope_type"] = (
-            f"is {parameters['rope_type']!r}; loom's rotary embedding has no scaling: it needs rope_type 'default'"
-        )
+    for field, scaling in rope_scaling_entries(hf_config):
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in SUPPORTED_ROPE_TYPES:
+            errors[f"{field}.rope_type"] = (
+                f"is {kind!r}; loom's rotary embedding scales only as Llama 3.1 does: it needs 'llama3' or 'default'"
+            )
     for field in ("attention_bias", "mlp_bias"):
         if hf_config.get(field):
             errors[field] = "is true; loom's projections have no biases: it needs false"
@@ -160,6 +183,7 @@ def model_section(hf_config: dict[str, Any], seq_len: int | None = None) -> Mode
         "seq_len": seq_len if seq_len is not None else hf_config.get("max_position_embeddings") or HF_MAX_POSITIONS,
         "rope_theta": rope_theta_of(hf_config),
         "norm_eps": hf_config.get("rms_norm_eps", HF_RMS_NORM_EPS),
+        "rope_scaling": rope_scaling_of(hf_config),
     }
     try:
         return ModelConfig.model_validate(document)
@@ -169,6 +193,21 @@ def model_section(hf_config: dict[str, Any], seq_len: int | None = None) -> Mode
         for field, message in field_errors(error).items():
             refused[sources.get(field, field)] = f"{message} (loom's model.{field} takes it)"
         raise ImportRefused(refused) from None
+
+
+def hf_rope(model: ModelConfig) -> dict[str, Any]:
+    """rope_parameters (and, for transformers 4, rope_scaling) as a LlamaConfig spells loom's RoPE."""
+    scaling = model.rope_scaling
+    if scaling is None:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}, "rope_scaling": None}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_context,
+    }
+    return {"rope_parameters": {**llama3, "rope_theta": model.rope_theta}, "rope_scaling": llama3}
 
 
 def hf_config(model: ModelConfig, dtype: str, eos_token_id: int | None = None) -> dict[str, Any]:
@@ -186,8 +225,7 @@ def hf_config(model: ModelConfig, dtype: str, eos_token_id: int | None = None) -
         "hidden_act": "silu",
         "rms_norm_eps": model.norm_eps,
         "rope_theta": model.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
-        "rope_scaling": None,
+        **hf_rope(model),
         "max_position_embeddings": model.seq_len,
         "attention_bias": False,
         "mlp_bias": False,

@@ -214,6 +214,10 @@ def torchtitan_refusals(config: RunConfig) -> None:
             config.optimizer.offload,
             "torchtitan's CPU offload moves parameters and gradients too, not only the optimizer states; use false",
         ),
+        "model.rope_scaling": (
+            model.rope_scaling is not None,
+            "not mapped to the flavor a torchtitan job registers; export a model without it (null)",
+        ),
     }
     refuse(reasons)
 
@@ -304,6 +308,10 @@ def megatron_refusals(config: RunConfig) -> None:
             "or ZeRO-1 (its distributed optimizer shards per replica)",
         ),
         "optimizer.offload": (config.optimizer.offload, "not mapped to Megatron-LM's optimizer offload; use false"),
+        "model.rope_scaling": (
+            config.model.rope_scaling is not None,
+            "not mapped to Megatron-LM's RoPE scaling flags; export a model without it (null)",
+        ),
     }
     refuse(reasons)
 

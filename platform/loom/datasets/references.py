@@ -90,6 +90,18 @@ def referenced_sources(document, owner) -> tuple[dict[str, str], RunSources]:
     return errors, RunSources(dataset, pretrained, checkpoint)
 
 
+def with_model_of_weights(document, sources: RunSources):
+    """The document with the starting weights' model fields wherever its own model section leaves one out (the
+    sequence length aside: a run picks its own), so a config need not restate what the weights fix (an imported
+    Llama's norm epsilon or RoPE scaling, which no form asks for)."""
+    saved = sources.init_model
+    section = document.get("model", {}) if isinstance(document, dict) else None
+    if saved is None or not isinstance(section, dict):
+        return document
+    inherited = {field: value for field, value in saved.items() if field not in FREE_MODEL_FIELDS}
+    return {**document, "model": {**inherited, **section}}
+
+
 def compatibility_errors(config: RunConfig, sources: RunSources) -> dict[str, str]:
     """The config's model against what it reads and starts from: a vocabulary that holds every token id of the
     dataset, and the very shape of the starting weights."""

@@ -9,7 +9,7 @@ from django.http import Http404
 from django.utils import timezone
 
 from loom.checkpoints.models import COMMITTED, Checkpoint
-from loom.datasets.references import RunSources, compatibility_errors, referenced_sources
+from loom.datasets.references import RunSources, compatibility_errors, referenced_sources, with_model_of_weights
 from loom.planner.services import estimate_for_run
 from trainer.config import ConfigError, parse_config
 
@@ -53,6 +53,7 @@ def validate_run_input(
     errors.update(placement_errors)
     reference_errors, sources = referenced_sources(document, owner)
     errors.update(reference_errors)
+    document = with_model_of_weights(document, sources)
     try:
         config = parse_config(document)
     except ConfigError as error:

@@ -9,6 +9,7 @@ from django.urls import reverse
 
 from loom.alerts.detectors import CRITICAL
 from loom.alerts.models import Alert
+from loom.datasets.services import designer_sources
 from trainer.config import world_size_of
 
 from . import services, states
@@ -51,14 +52,16 @@ def run_list(request):
 
 @login_required
 def new_run(request):
+    # Each choice of starting weights' model section and each dataset's vocabulary, for the page to fill in.
+    sources = designer_sources(request.user)
     if request.method != "POST":
-        return render(request, "runs/new.html", {"form": NewRunForm(user=request.user)})
+        return render(request, "runs/new.html", {"form": NewRunForm(user=request.user), "sources": sources})
     form = NewRunForm(request.POST, user=request.user)
     try:
         run = services.create_run(request.user, *form.run_input())
     except services.RunInputError as error:
         form.add_input_errors(error.errors)
-        return render(request, "runs/new.html", {"form": form}, status=400)
+        return render(request, "runs/new.html", {"form": form, "sources": sources}, status=400)
     # The run is created all the same; its page shows these once.
     for key, message in warnings_for(run).items():
         messages.warning(request, f"{field_label(key)}: {message}")
