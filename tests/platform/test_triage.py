@@ -10,6 +10,7 @@ from loom.alerts.detectors import Finding
 from loom.alerts.models import Alert
 from loom.alerts.services import record
 from loom.alerts.triage import alert_views
+from loom.checkpoints.services import pins_of
 from loom.runs.models import Attempt
 
 from .helpers import BatchSender, checkpoint_event, claimed_run
@@ -107,3 +108,23 @@ def test_a_crash_past_the_last_heartbeat_gets_the_step_its_metrics_reached_and_t
     (view,) = alert_views(run, [exit_alert])
     assert view.restore_from.step == 30
     assert [excerpt.lines[-1] for excerpt in view.logs] == ["rank 1 step 34/40 loss 4.0"]
+
+
+def test_an_overfit_alert_offers_and_pins_the_checkpoint_at_its_lowest_validation_loss(platform_user, tmp_path):
+    """Validation loss was lowest at step 20, the first evaluation of the rise: the checkpoint saved there is
+    the model at its best, not the last one before the alert's step 50."""
+    run, attempt, _ = claimed_run(platform_user[0])
+    Attempt.objects.filter(pk=attempt.pk).update(work_dir=str(tmp_path))
+    attempt.refresh_from_db()
+    sender = BatchSender(attempt)
+    for step in (10, 20, 30, 45):
+        sender.send(-1, checkpoint_event("committed", step, f"{tmp_path}/checkpoints/step-{step}", time=time.time()))
+    details = {"steps": [20, 30, 40, 50], "eval_losses": [2.0, 2.1, 2.2, 2.3]}
+    overfitting = Finding(detectors.OVERFIT, 50, detectors.WARNING, "validation loss rose", details=details)
+    (alert,) = record(attempt, [overfitting], lambda rank: "node-a").opened
+
+    (view,) = alert_views(run, [alert])
+    assert view.restore_from.step == 20
+    assert view.skip_steps is None, "overfitting is no reason to skip data"
+    pinned = pins_of(run)
+    assert list(pinned) == [run.checkpoints.get(step=20).pk]

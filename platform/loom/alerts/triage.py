@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 from loom.checkpoints.models import COMMITTED, Checkpoint
-from loom.checkpoints.services import last_before
+from loom.checkpoints.services import restore_point_for
 from loom.runs.logs import rank_log_files, tail_lines
 from loom.runs.models import Run
 from trainer.config import world_size_of
@@ -121,7 +121,7 @@ def alert_views(run: Run, alerts: list[Alert]) -> list[AlertView]:
     views = []
     for alert in alerts:
         # The same checkpoint the alert pins against retention while it is live.
-        view = AlertView(alert, last_before(checkpoints, alert.step), _logs_around(alert))
+        view = AlertView(alert, restore_point_for(alert, checkpoints), _logs_around(alert))
         if view.restore_from is not None and alert.rule in DATA_RULES and alert.attempt is not None:
             view.skip_steps = (view.restore_from.step + 1, alert.last_step)
             view.lr = alert.attempt.config["optimizer"]["lr"]

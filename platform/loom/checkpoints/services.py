@@ -124,19 +124,30 @@ def last_before(checkpoints: Sequence[Checkpoint], step: int) -> Checkpoint | No
     return before[-1] if before else None
 
 
+def restore_point_for(alert, committed: Sequence[Checkpoint]) -> Checkpoint | None:
+    """The checkpoint triage offers to restore from after `alert`, and the one the alert pins while it is live:
+    the last saved before its step; for overfitting, the last saved at or before its lowest validation loss
+    (the first evaluation of the rise), where the model generalised best."""
+    from loom.alerts.detectors import OVERFIT
+
+    if alert.rule == OVERFIT and alert.details.get("steps"):
+        return last_before(committed, alert.details["steps"][0] + 1)
+    return last_before(committed, alert.step)
+
+
 # Pins: what retention must keep.
 
 
 def pins_of(run: Run) -> dict[int, list[str]]:
     """Why each pinned checkpoint of the run is pinned, by checkpoint id: each live alert pins the one
-    triage offers to restore from past it (last_before its step, of any attempt of the run) for as long
+    triage offers to restore from past it (restore_point_for, of any attempt of the run) for as long
     as it is live, and a person pins any committed one until they unpin it."""
     from loom.alerts.models import Alert
 
     committed = list(Checkpoint.objects.filter(run=run, state=COMMITTED).order_by("step", "id"))
     reasons: dict[int, list[str]] = defaultdict(list)
     for alert in Alert.objects.filter(run=run, state__in=Alert.LIVE).order_by("id"):
-        restore_point = last_before(committed, alert.step)
+        restore_point = restore_point_for(alert, committed)
         if restore_point is not None:
             what = alert.rule.replace("_", " ")
             reasons[restore_point.pk].append(f"pinned by alert #{alert.pk} ({what} at step {alert.step})")
