@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/data_pipeline.py --quick    # 8 MB of text; sampler datasets of 10 MB and 100 MB
 
 1. Prepare throughput. Synthetic text (documents of Zipf-distributed words, the same every run) is written as .jsonl
-   files; a BPE of 8,192 tokens is trained on a sample of it, then `prepare` tokenizes the whole corpus with that
-   tokenizer file on every core, and once more as byte-level tokens. Printed: MB of text per second, per core.
+   files; a BPE of 8,192 tokens is trained on a sample of it, then `python -m trainer.data prepare` tokenizes the
+   whole corpus with that tokenizer file on every core, and once more as byte-level tokens, each timed as the
+   whole command (start-up and manifest included). Printed: MB of text per second, per core.
 2. Sampler cost. Two datasets of random tokens, the smaller and the larger size, are written as shards; the
    demo model's step (4 layers, dim 128, seq_len 128, micro_batch 8: the `bin/up` demo, one process, forward,
    backward and AdamW) is timed, and in the same run the sampler's batch for a step on each dataset. Printed: the
@@ -20,6 +21,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,12 +33,12 @@ import torch
 from trainer.config import parse_config
 from trainer.data.format import FORMAT, MANIFEST, PreparedDataset, token_dtype
 from trainer.data.order import data_step
-from trainer.data.prepare import prepare
 from trainer.data.sampler import TokenSampler
 from trainer.data.shards import ShardWriter
 from trainer.model import Transformer
 from trainer.train import build_optimizer
 
+ROOT = Path(__file__).resolve().parents[1]
 MB = 1 << 20
 WORDS = 20_000
 SAMPLER_VOCAB = 8_192
@@ -71,19 +74,28 @@ def text_bytes(paths: list[Path]) -> int:
     return sum(path.stat().st_size for path in paths)
 
 
+def prepare_command(inputs: list[Path], out: Path, cores: int, *options: str) -> float:
+    """Seconds `python -m trainer.data prepare` takes, run as a user runs it (its workers start light: spawned
+    from this script they would import all of it, torch included)."""
+    command = [sys.executable, "-m", "trainer.data", "prepare", *map(str, inputs), "--out", str(out)]
+    started = time.perf_counter()
+    subprocess.run([*command, "--workers", str(cores), *options], check=True, capture_output=True, cwd=ROOT)
+    return time.perf_counter() - started
+
+
 def measure_prepare(work: Path, text_mb: int) -> dict:
     corpus = work / "corpus"
     corpus.mkdir()
     paths = synthetic_corpus(corpus, text_mb * MB)
     cores = len(os.sched_getaffinity(0))
-    trained = prepare(paths[:1], work / "tokenizer-sample", vocab_size=SAMPLER_VOCAB, workers=cores, progress=False)
-    tokenizer = work / "tokenizer-sample" / "tokenizer.json"
-    results = {"text_mb": text_bytes(paths) / MB, "cores": cores, "vocab": trained["tokenizer"]["vocab_size"]}
-    for name, options in (("bpe", {"tokenizer": tokenizer}), ("bytes", {"byte_level_tokens": True})):
-        started = time.perf_counter()
-        manifest = prepare(paths, work / f"prepared-{name}", workers=cores, progress=False, **options)
-        seconds = time.perf_counter() - started
-        tokens = manifest["splits"]["train"]["tokens"] + manifest["splits"]["validation"]["tokens"]
+    sample = work / "tokenizer-sample"
+    prepare_command(paths[:1], sample, cores, "--vocab-size", str(SAMPLER_VOCAB))
+    vocab = PreparedDataset.open(sample).vocab_size
+    results = {"text_mb": text_bytes(paths) / MB, "cores": cores, "vocab": vocab}
+    for name, options in (("bpe", ("--tokenizer", str(sample / "tokenizer.json"))), ("bytes", ("--bytes",))):
+        seconds = prepare_command(paths, work / f"prepared-{name}", cores, *options)
+        prepared = PreparedDataset.open(work / f"prepared-{name}")
+        tokens = prepared.tokens("train") + prepared.tokens("validation")
         results[name] = {
             "seconds": seconds,
             "mb_per_s_per_core": results["text_mb"] / seconds / cores,
@@ -136,11 +148,15 @@ def demo_step_seconds(repeats: int) -> float:
     return median_seconds(step, repeats)
 
 
-def sampler_seconds(dataset: Path, repeats: int) -> float:
+def sampler_cost(dataset: Path, repeats: int) -> tuple[float, int, float]:
+    """The median seconds of a step's batch, the dataset's sequences, and the permutation's evaluations per
+    sequence drawn (cycle-walking makes it 1 to 2 on average, by how close the sequences come to a power of 2)."""
     config = parse_config({**DEMO, "data": {**DEMO["data"], "dataset": str(dataset)}})
     sampler = TokenSampler(PreparedDataset.open(dataset), config)
-    steps = iter(range(1, 10 * repeats + 1))
-    return median_seconds(lambda: sampler.batch(data_step(next(steps), [])), repeats)
+    steps = iter(range(1, repeats + 1))
+    seconds = median_seconds(lambda: sampler.batch(data_step(next(steps), [])), repeats)
+    evaluations = sampler.permutation(0).evaluations / (repeats * config.global_batch)
+    return seconds, sampler.train.count, evaluations
 
 
 def main() -> None:
@@ -170,10 +186,11 @@ def main() -> None:
             dataset = random_dataset(
                 work / f"tokens-{label.replace(' ', '')}", size // token_dtype(SAMPLER_VOCAB).itemsize
             )
-            sampled[label] = sampler_seconds(dataset, repeats=200)
+            sampled[label], sequences, evaluations = sampler_cost(dataset, repeats=200)
             print(
-                f"sampler on {label} of tokens: median {sampled[label] * 1e6:.0f} µs per step, "
-                f"{sampled[label] / step_s:.2%} of a step (goal < 2 %)"
+                f"sampler on {label} of tokens ({sequences:,} sequences): median {sampled[label] * 1e6:.0f} µs per "
+                f"step, {sampled[label] / step_s:.2%} of a step (goal < 2 %); {evaluations:.2f} permutation "
+                "evaluations per sequence"
             )
         small, large = sampled.values()
         print(f"sampler time, {list(sampled)[1]} over 10 MB: {large / small:.2f} (goal: about 1, no growth)")
