@@ -42,8 +42,7 @@ def batch(attempt, rank=0, seq=0, steps=(1, 2, 3)):
         "rank": rank,
         "seq": seq,
         "events": [
-            {"kind": "metric", "time": emitted_s, "step": step, "payload": {"loss": 5.0 - step / 10}}
-            for step in steps
+            {"kind": "metric", "time": emitted_s, "step": step, "payload": {"loss": 5.0 - step / 10}} for step in steps
         ],
     }
 

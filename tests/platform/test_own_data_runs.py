@@ -3,9 +3,6 @@ text prepared into a dataset and registered, a Hugging Face Llama imported, a ru
 trains on the dataset with the global batch of a recipe (gradient accumulation) and a validation loss, and its final
 checkpoint exported back to Hugging Face's format, which transformers loads."""
 
-import json
-import urllib.request
-
 import pytest
 import torch
 
@@ -18,21 +15,11 @@ from trainer.data.prepare import prepare
 from ..conftest import wait_for
 from .test_datasets import HF_SHAPE, tiny_llama
 from .test_datasets import data_root as data_root  # a fixture
+from .test_launch import api
 
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-
-
-def api(live_platform, token: str, method: str, path: str, body=None) -> dict:
-    request = urllib.request.Request(
-        f"{live_platform.url}{path}",
-        method=method,
-        data=json.dumps(body).encode() if body is not None else None,
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
 
 
 def finished(queryset, timeout: float, what: str):
@@ -57,8 +44,12 @@ def test_own_text_and_a_hugging_face_llama_train_with_accumulation_and_validatio
     prepare([text], data_root / "notes", byte_level_tokens=True, validation_fraction=0.2, workers=1, progress=False)
     original = tiny_llama(data_root / "tiny-llama")
 
-    dataset = api(live_platform, token, "POST", "/api/datasets", {"name": "notes", "path": str(data_root / "notes")})
-    imported = api(live_platform, token, "POST", "/api/models", {"name": "tiny", "path": str(data_root / "tiny-llama")})
+    dataset = api(
+        f"{live_platform.url}/api/datasets", token, "POST", {"name": "notes", "path": str(data_root / "notes")}
+    )
+    imported = api(
+        f"{live_platform.url}/api/models", token, "POST", {"name": "tiny", "path": str(data_root / "tiny-llama")}
+    )
     model = finished(PretrainedModel.objects.filter(pk=imported["id"]), 120, "the import to finish")
     assert (model.state, model.error) == (READY, "")
 
@@ -73,7 +64,7 @@ def test_own_text_and_a_hugging_face_llama_train_with_accumulation_and_validatio
         "checkpoint": {"interval_steps": STEPS, "init_from": imported["reference"]},
         "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 1.0},
     }
-    created = api(live_platform, token, "POST", "/api/runs", {"name": "own data", "config": config})
+    created = api(f"{live_platform.url}/api/runs", token, "POST", {"name": "own data", "config": config})
     run = wait_for(
         lambda: Run.objects.filter(pk=created["id"], state__in=states.TERMINAL).first(),
         timeout=240,
@@ -88,11 +79,11 @@ def test_own_text_and_a_hugging_face_llama_train_with_accumulation_and_validatio
     assert list(evaluated.order_by("step").values_list("step", flat=True)) == [2, STEPS]
     tokens = [e.payload["tokens"] for e in run.events.filter(kind="metric", rank=0).order_by("step")]
     assert tokens == [step * 8 * 64 for step in range(1, STEPS + 1)]
-    detail = api(live_platform, token, "GET", f"/api/datasets/{dataset['id']}")
+    detail = api(f"{live_platform.url}/api/datasets/{dataset['id']}", token, "GET")
     assert [item["id"] for item in detail["runs"]] == [run.pk]
 
     checkpoint = run.checkpoints.get(step=STEPS)
-    queued = api(live_platform, token, "POST", f"/api/checkpoints/{checkpoint.pk}/export", {})
+    queued = api(f"{live_platform.url}/api/checkpoints/{checkpoint.pk}/export", token, "POST", {})
     export = finished(CheckpointExport.objects.filter(pk=queued["id"]), 120, "the export to finish")
     assert (export.state, export.error) == (READY, "")
 

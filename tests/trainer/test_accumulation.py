@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from .torchrun import run_trainer
+from .torchrun import assert_trains_like, run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -82,16 +82,8 @@ def whole_batch(tmp_path_factory):
 @pytest.mark.parametrize("name", list(ACCUMULATING))
 def test_accumulated_passes_train_like_one_pass_of_the_global_batch(name, whole_batch, launched):
     run = launched(name, ACCUMULATING[name])
-    expected, actual = whole_batch.loss_means(), run.loss_means()
-    assert len(actual) == STEPS
-    for step, (want, got) in enumerate(zip(expected, actual, strict=True), start=1):
-        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
-    reference, parameters = whole_batch.parameters(), run.parameters()
-    assert sorted(parameters) == sorted(reference)
-    for parameter, tensor in reference.items():
-        difference = parameters[parameter] - tensor
-        assert difference.abs().max() <= 1e-4, parameter
-        assert difference.norm() <= 1e-4 * tensor.norm(), parameter
+    assert len(run.loss_means()) == STEPS
+    assert_trains_like(run, whole_batch)
     # Tokens count the whole global batch; each rank's tokens/s its share of it, as for the whole batch.
     for _, event in run.events("metric"):
         assert event["payload"]["tokens"] == event["step"] * GLOBAL_BATCH * SEQ_LEN

@@ -9,7 +9,7 @@ from trainer.config import ConfigError, parse_config
 from trainer.data.demo import WindowSampler, check_validation, load_corpus, load_validation
 from trainer.train import evaluation_due
 
-from .torchrun import FinishedRun, run_trainer
+from .torchrun import run_trainer
 
 STEPS = 5
 
@@ -79,14 +79,6 @@ PIPELINES = {
 }
 
 
-def eval_losses(run: FinishedRun) -> dict[int, dict[int, float]]:
-    found: dict[int, dict[int, float]] = {}
-    for rank, event in run.events("metric"):
-        if "eval_loss" in event["payload"]:
-            found.setdefault(rank, {})[event["step"]] = event["payload"]["eval_loss"]
-    return found
-
-
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     run = run_trainer(tmp_path_factory.mktemp("single"), demo_config(data={"micro_batch": 4}))
@@ -101,9 +93,9 @@ def test_a_pipeline_reports_the_single_process_validation_loss_at_the_same_steps
     micro_batch = 4 // parallel.get("dp_shard", 1)
     run = run_trainer(tmp_path, demo_config(parallel=parallel, data={"micro_batch": micro_batch}))
     assert run.returncode == 0, run.failure_report()
-    (want,) = eval_losses(single_process).values()
+    (want,) = single_process.eval_losses().values()
     assert sorted(want) == [2, 4, 5]
-    evaluated = eval_losses(run)
+    evaluated = run.eval_losses()
     assert sorted(evaluated) == list(range(2 * parallel.get("dp_shard", 1)))
     for rank, got in evaluated.items():
         assert sorted(got) == [2, 4, 5]

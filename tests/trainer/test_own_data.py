@@ -55,14 +55,6 @@ def run_config(dataset, checkpoints, **checkpoint) -> dict:
     }
 
 
-def eval_losses(run) -> dict[int, float]:
-    return {
-        event["step"]: event["payload"]["eval_loss"]
-        for rank, event in run.events("metric")
-        if rank == 0 and "eval_loss" in event["payload"]
-    }
-
-
 @pytest.mark.slow
 def test_prepared_text_trains_with_accumulation_and_validation_and_resumes_exactly(dataset, tmp_path):
     prepared = PreparedDataset.open(dataset)
@@ -74,10 +66,10 @@ def test_prepared_text_trains_with_accumulation_and_validation_and_resumes_exact
     assert whole.returncode == 0, whole.failure_report()
     losses = whole.loss_means()
     assert len(losses) == 6 and losses[-1] < losses[0]
-    assert sorted(eval_losses(whole)) == [3, 6]
+    assert sorted(whole.eval_losses()[0]) == [3, 6]
 
     checkpoint = tmp_path / "whole-ckpt" / "step-000003"
     resumed = run_trainer(tmp_path / "resumed", run_config(dataset, tmp_path / "resumed-ckpt", resume=str(checkpoint)))
     assert resumed.returncode == 0, resumed.failure_report()
     assert resumed.loss_means() == losses[3:]
-    assert eval_losses(resumed) == {6: eval_losses(whole)[6]}
+    assert resumed.eval_losses()[0] == {6: whole.eval_losses()[0][6]}

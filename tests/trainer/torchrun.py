@@ -60,12 +60,38 @@ class FinishedRun:
         ]
         return [event["payload"]["loss_mean"] for event in sorted(metrics, key=lambda event: event["step"])]
 
+    def eval_losses(self) -> dict[int, dict[int, float]]:
+        """{rank: {step: eval_loss}} over every metric event that carries one."""
+        found: dict[int, dict[int, float]] = {}
+        for rank, event in self.events("metric"):
+            if "eval_loss" in event["payload"]:
+                found.setdefault(rank, {})[event["step"]] = event["payload"]["eval_loss"]
+        return found
+
     def parameters(self) -> dict[str, torch.Tensor]:
         """The final full parameters, merged from every pipeline rank's file."""
         merged: dict[str, torch.Tensor] = {}
         for path in sorted(self.params_dir.glob("pp-*.pt")):
             merged.update(torch.load(path))
         return merged
+
+
+def assert_trains_like(run: FinishedRun, reference: FinishedRun) -> None:
+    """The run's per-step loss means within 1e-5 (relative) of the reference's, and the same final parameters.
+
+    Sums in another order differ in the last bits, and Adam divides by sqrt(v): on entries whose gradient is near
+    zero that noise becomes an update of up to ~1e-5. A layout bug (a missing reduction, a wrong shard) moves
+    parameters by the learning rate, 3e-3."""
+    expected, actual = reference.loss_means(), run.loss_means()
+    assert len(actual) == len(expected)
+    for step, (want, got) in enumerate(zip(expected, actual, strict=True), start=1):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    wanted, parameters = reference.parameters(), run.parameters()
+    assert sorted(parameters) == sorted(wanted)
+    for name, tensor in wanted.items():
+        difference = parameters[name] - tensor
+        assert difference.abs().max() <= 1e-4, name
+        assert difference.norm() <= 1e-4 * tensor.norm(), name
 
 
 def _last_lines(text: str) -> str:

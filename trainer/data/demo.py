@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import ConfigError, RunConfig
-from trainer.data.order import DataMismatch, batch_seed
+from trainer.data.order import DataMismatch, batch_seed, validation_sequences
 
 THIRD_PARTY_DIRS = {"site-packages", "dist-packages"}
 
@@ -128,10 +128,8 @@ class WindowSampler:
         each; the same every time (a text too short for them all wraps around)."""
         count = (self.validation.numel() - 1) // self.seq_len
         result = []
-        for index in range(batches):
-            first = index * self.micro_batch * dp_size + dp_rank * self.micro_batch
-            numbers = torch.arange(first, first + self.micro_batch) % count
-            windows = self.validation[numbers[:, None] * self.seq_len + self._offsets].long()
+        for numbers in validation_sequences(batches, self.micro_batch, dp_rank, dp_size, count):
+            windows = self.validation[torch.from_numpy(numbers)[:, None] * self.seq_len + self._offsets].long()
             result.append((windows[:, :-1], windows[:, 1:]))
         return result
 

@@ -30,7 +30,7 @@ import torch
 
 from trainer.config import DATASET_REFERENCE_PREFIX, ConfigError, RunConfig
 from trainer.data.format import DatasetError, PreparedDataset
-from trainer.data.order import DataMismatch, batch_seed
+from trainer.data.order import DataMismatch, batch_seed, validation_sequences
 
 FEISTEL_ROUNDS = 4
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -163,11 +163,9 @@ class TokenSampler:
         around a short split), each batch micro_batch × dp_size sequences over the ranks."""
         if self._validation is None:
             self._validation = SplitSequences(self.dataset, "validation", self.seq_len)
-        count, per_batch = self._validation.count, self.micro_batch * dp_size
         result = []
-        for index in range(batches):
-            first = index * per_batch + dp_rank * self.micro_batch
-            windows = self._validation.windows(np.arange(first, first + self.micro_batch, dtype=np.int64) % count)
+        for numbers in validation_sequences(batches, self.micro_batch, dp_rank, dp_size, self._validation.count):
+            windows = self._validation.windows(numbers)
             result.append((windows[:, :-1], windows[:, 1:]))
         return result
 
