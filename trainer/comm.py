@@ -105,10 +105,13 @@ FUNCTIONAL_OPS: dict[str, Callable[[tuple], list[_Issued]]] = {
 
 
 def _overloads(namespace: str, readers: dict[str, Callable]) -> dict[torch._ops.OpOverload, Callable]:
+    """Every overload of the readers' ops that this torch defines: the point-to-point functional ops are newer
+    than some torch builds a GPU image carries, and a build without them cannot issue them either."""
     packets = getattr(torch.ops, namespace)
     return {
         getattr(packet, overload): reader
         for name, reader in readers.items()
+        if hasattr(packets, name)
         for packet in [getattr(packets, name)]
         for overload in packet.overloads()
     }

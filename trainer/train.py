@@ -134,11 +134,13 @@ def load_config(path: Path) -> RunConfig:
 
 
 def select_backend(requested: str, cuda_available: bool) -> str:
+    """The process group's backends by device. With NCCL, CPU tensors still go through gloo: the step's vote
+    and the checkpoint's coordination are small CPU collectives, which NCCL alone refuses."""
     if requested == "auto":
-        return "nccl" if cuda_available else "gloo"
+        requested = "nccl" if cuda_available else "gloo"
     if requested == "nccl" and not cuda_available:
         raise LaunchError("parallel.backend='nccl' needs CUDA GPUs and none is visible; use 'gloo' or 'auto'")
-    return requested
+    return "cuda:nccl,cpu:gloo" if requested == "nccl" else requested
 
 
 def learning_rate(step: int, total_steps: int, optimizer: OptimizerConfig) -> float:

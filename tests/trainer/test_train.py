@@ -11,7 +11,16 @@ import pytest
 
 from trainer.config import OptimizerConfig
 from trainer.telemetry import read_spool
-from trainer.train import STOPPED_EXIT_CODE, USAGE_EXIT_CODE, NonFiniteError, learning_rate, main, update_allowed
+from trainer.train import (
+    STOPPED_EXIT_CODE,
+    USAGE_EXIT_CODE,
+    LaunchError,
+    NonFiniteError,
+    learning_rate,
+    main,
+    select_backend,
+    update_allowed,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
@@ -188,3 +197,13 @@ def test_a_non_finite_gradient_norm_is_skipped_stopped_or_applied_as_configured(
     assert update_allowed("continue", 3, float("inf"))
     with pytest.raises(NonFiniteError, match="step 3"):
         update_allowed("stop", 3, float("nan"))
+
+
+def test_nccl_runs_keep_gloo_for_cpu_tensors():
+    # The step's vote is a CPU tensor: under NCCL alone it failed at the first step on a GPU (2026-11-26, H200).
+    assert select_backend("auto", cuda_available=True) == "cuda:nccl,cpu:gloo"
+    assert select_backend("nccl", cuda_available=True) == "cuda:nccl,cpu:gloo"
+    assert select_backend("auto", cuda_available=False) == "gloo"
+    assert select_backend("gloo", cuda_available=True) == "gloo"
+    with pytest.raises(LaunchError, match="needs CUDA"):
+        select_backend("nccl", cuda_available=False)
