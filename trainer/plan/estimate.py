@@ -14,7 +14,7 @@ from trainer.config import ConfigError, RunConfig, parse_config
 from trainer.plan.communication import IN_LAYER_KINDS, Traffic, expose, groups, step_traffic
 from trainer.plan.compute import RankCompute, model_flops_per_token, stages_compute
 from trainer.plan.hardware import ClusterSpec, parse_cluster
-from trainer.plan.layout import Layout
+from trainer.plan.layout import Layout, Runtime
 from trainer.plan.memory import (
     RankMemory,
     layout_outside_allocator_terms,
@@ -216,9 +216,11 @@ def fit_errors(config: RunConfig, cluster: ClusterSpec) -> dict[str, str]:
     return errors
 
 
-def estimate(document: object, cluster_document: object = None, *, timeline: bool = True) -> Estimate:
+def estimate(
+    document: object, cluster_document: object = None, *, timeline: bool = True, runtime: Runtime = "loom"
+) -> Estimate:
     config, cluster = parse_plan(document, cluster_document)
-    return estimate_layout(Layout(config), cluster, timeline=timeline)
+    return estimate_layout(Layout(config, runtime), cluster, timeline=timeline)
 
 
 def estimate_layout(layout: Layout, cluster: ClusterSpec, *, timeline: bool = True) -> Estimate:

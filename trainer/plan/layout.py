@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
 
 from trainer.config import RunConfig
 
@@ -13,11 +14,16 @@ ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 MATMUL_INPUT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 # How the trainer's mesh places ranks, innermost first (trainer/parallel/mesh.py).
 PLACEMENT = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+RUNTIMES = ("loom", "megatron")
+Runtime = Literal["loom", "megatron"]
 
 
 @dataclass(frozen=True)
 class Layout:
     config: RunConfig
+    runtime: Runtime = "loom"
+    """Whose training code runs the layout: loom's trainer, or Megatron-LM (what the planner exports to). They
+    differ in what each overlaps, recomputes and keeps."""
 
     @property
     def model(self):
