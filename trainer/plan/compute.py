@@ -4,10 +4,18 @@ Model FLOPs per token follow the trainer's MFU convention (PaLM, appendix B): 6N
 N every parameter a token is multiplied with (the input embedding is a lookup and does not
 count; MoE layers count their top_k experts), S the sequence length. Forward is a third of it,
 backward two thirds (half for input gradients, half for weight gradients). Hardware FLOPs add
-what recompute repeats: the attention sub-block's forward (selective) or every block's (full).
+what recompute repeats: the attention sub-block's forward (loom's selective), the attention core's
+(Megatron's selective) or every block's (full).
 
-Compute time is hardware FLOPs over peak × the GPU's achievable efficiency; fp32 runs at the
-TF32 rate (half the bf16 peak), fp8 runs its matmuls at the fp8 rate.
+Compute time is the sum of the rank's kernels (trainer.plan.kernel_time), one microbatch at a time:
+every linear layer's three products from its local shapes (forward, input gradient, weight gradient;
+Megatron fuses q/k/v and the MLP's gate and up projections into one product each, loom's trainer runs
+them apart), flash attention on its causal FLOPs, and the memory-bound passes around them (norms,
+residual additions, rotary embeddings, the MLP's activation, the loss's logits), which sequence
+parallelism splits over the tp ranks and which otherwise every tp rank repeats. fp32 runs its products
+without tensor cores (PyTorch leaves TF32 off; measured on an H200: a 350M model's fp32 step took 2.5
+times its bf16 step at a quarter of the tokens); fp8 runs the blocks' linear layers at the fp8 rate, plus their casts,
+and everything else as bf16.
 """
 
 from __future__ import annotations
@@ -16,8 +24,19 @@ from dataclasses import dataclass
 
 from trainer.config import ModelConfig
 from trainer.plan.hardware import ClusterSpec
+from trainer.plan.kernel_time import attention_seconds, gemm_seconds, memory_seconds
 from trainer.plan.layout import Layout
-from trainer.plan.parameters import ParameterTensor, held_layers, held_tensors
+from trainer.plan.parameters import ParameterTensor, block_tensors, held_layers, held_tensors
+
+# What one token moves through memory in a block's memory-bound passes, forward, in activations: a norm reads
+# and writes the hidden state, a residual addition reads two and writes one; backward moves about twice that.
+NORM_PASSES, RESIDUAL_PASSES = 2, 2
+NORM_ELEMENTS, RESIDUAL_ELEMENTS = 2, 3
+BACKWARD_MEMORY_FACTOR = 2
+# The loss reads and writes fp32 logits about three times over forward and backward (one forward).
+LOSS_LOGIT_PASSES, LOSS_FORWARD_PASSES = 3, 1
+# Megatron-LM's fused products: the listed tensors share their input and run as one matrix.
+MEGATRON_FUSED = (("wq", "wk", "wv"), ("w1", "w3"))
 
 
 def _matmul_elements(tensors: list[ParameterTensor], model: ModelConfig) -> float:
@@ -40,6 +59,27 @@ def model_flops_per_token(model: ModelConfig) -> float:
 
 
 @dataclass(frozen=True)
+class KernelTime:
+    """Seconds of kernels by kind."""
+
+    gemm_s: float = 0.0
+    attention_s: float = 0.0
+    memory_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.memory_s
+
+    def __add__(self, other: KernelTime) -> KernelTime:
+        return KernelTime(
+            self.gemm_s + other.gemm_s, self.attention_s + other.attention_s, self.memory_s + other.memory_s
+        )
+
+    def __mul__(self, factor: float) -> KernelTime:
+        return KernelTime(self.gemm_s * factor, self.attention_s * factor, self.memory_s * factor)
+
+
+@dataclass(frozen=True)
 class RankCompute:
     """One pipeline rank's work for one microbatch through all its stages, in FLOPs and seconds."""
 
@@ -47,49 +87,213 @@ class RankCompute:
     backward_flops: float
     recompute_flops: float
     model_flops: float
-    seconds_per_flop: float
+    forward: KernelTime
+    input_gradients: KernelTime
+    """Backward less the weight gradients: input-gradient products, attention's backward, memory-bound passes."""
+    weight_gradients: KernelTime
+    recompute: KernelTime
 
     @property
     def forward_s(self) -> float:
-        return self.forward_flops * self.seconds_per_flop
+        return self.forward.total_s
+
+    @property
+    def weight_gradient_s(self) -> float:
+        return self.weight_gradients.total_s
 
     @property
     def backward_s(self) -> float:
         """Input and weight gradients plus the recomputed forward."""
-        return (self.backward_flops + self.recompute_flops) * self.seconds_per_flop
+        return self.input_gradients.total_s + self.weight_gradient_s + self.recompute.total_s
 
     @property
     def total_s(self) -> float:
         return self.forward_s + self.backward_s
 
+    @property
+    def kernels(self) -> KernelTime:
+        return self.forward + self.input_gradients + self.weight_gradients + self.recompute
 
-def seconds_per_flop(layout: Layout, cluster: ClusterSpec) -> float:
-    gpu = cluster.gpu_type
-    peak = gpu.peak_bf16_flops
-    if layout.precision == "fp32":
-        peak /= 2
-    elif layout.precision == "fp8" and gpu.peak_fp8_flops:
-        peak = gpu.peak_fp8_flops
-    return 1 / (peak * cluster.efficiency)
+
+@dataclass(frozen=True)
+class Product:
+    """One linear layer's weight as a product sees it on one rank: [tokens, fan_in] × [fan_in, fan_out]."""
+
+    name: str
+    fan_in: float
+    fan_out: float
+    tokens: float
+    count: int = 1
+    """Identical products (local experts)."""
+
+
+def local_products(tensors: list[ParameterTensor], layout: Layout, tokens: float) -> list[Product]:
+    """The block's linear layers on one tp/ep rank, fused as the runtime fuses them."""
+    model, parallel = layout.model, layout.parallel
+    products = []
+    for tensor in tensors:
+        if len(tensor.shape) == 1:
+            continue
+        shape = list(tensor.shape)
+        if tensor.tp_dim is not None:
+            shape[tensor.tp_dim] /= parallel.tp
+        leaf = tensor.name.split(".")[-2] if tensor.name.endswith(".weight") else tensor.name.split(".")[-1]
+        if tensor.expert:
+            local_experts = shape[0] / parallel.ep
+            routed = tokens * model.top_k * parallel.ep / model.experts
+            products.append(Product(leaf, shape[2], shape[1], routed, round(local_experts)))
+        else:
+            products.append(Product(leaf, shape[1], shape[0], tokens))
+    if layout.runtime != "megatron":
+        return products
+    fused = []
+    for group in MEGATRON_FUSED:
+        members = [product for product in products if product.name in group]
+        if len(members) > 1:
+            first = members[0]
+            fused.append(
+                Product("+".join(group), first.fan_in, sum(p.fan_out for p in members), first.tokens, first.count)
+            )
+    return [product for product in products if not any(product.name in group for group in MEGATRON_FUSED)] + fused
+
+
+class KernelPricer:
+    """Seconds of one rank's kernels for one microbatch, in the layout's precision on the cluster's GPU."""
+
+    def __init__(self, layout: Layout, cluster: ClusterSpec):
+        self.layout, self.gpu = layout, cluster.gpu_type
+        self.ceiling = cluster.efficiency
+        self.activation_bytes = layout.activation_bytes
+        bf16 = self.gpu.peak_bf16_flops
+        fp32 = layout.precision == "fp32"
+        self.peak, self.element_bytes = (self.gpu.peak_fp32_flops, 4) if fp32 else (bf16, 2)
+        self.fp8 = layout.precision == "fp8" and self.gpu.peak_fp8_flops is not None
+
+    def product(self, m: float, k: float, n: float, in_fp8: bool) -> float:
+        if in_fp8:
+            # The inputs are cast to fp8 first: each read in bf16 and written in one byte.
+            casts = memory_seconds(3 * (m * k + k * n), self.gpu)
+            return gemm_seconds(m, k, n, self.gpu, self.gpu.peak_fp8_flops, self.ceiling, 1) + casts
+        return gemm_seconds(m, k, n, self.gpu, self.peak, self.ceiling, self.element_bytes)
+
+    def linear(self, products: list[Product], in_fp8: bool = False) -> tuple[KernelTime, KernelTime, KernelTime]:
+        """(forward, input gradients, weight gradients) of these products."""
+        forward = input_grad = weight_grad = 0.0
+        fp8 = in_fp8 and self.fp8
+        for p in products:
+            forward += p.count * self.product(p.tokens, p.fan_in, p.fan_out, fp8)
+            input_grad += p.count * self.product(p.tokens, p.fan_out, p.fan_in, fp8)
+            weight_grad += p.count * self.product(p.fan_out, p.tokens, p.fan_in, fp8)
+        return KernelTime(gemm_s=forward), KernelTime(gemm_s=input_grad), KernelTime(gemm_s=weight_grad)
+
+    def memory(self, elements: float) -> KernelTime:
+        return KernelTime(memory_s=memory_seconds(elements * self.activation_bytes, self.gpu))
+
+    def attention(self, causal_flops: float) -> KernelTime:
+        """Flash attention runs in bf16; in fp32 SDPA falls back to kernels without tensor cores."""
+        seconds = attention_seconds(causal_flops, self.gpu)
+        if self.layout.precision == "fp32":
+            seconds *= self.gpu.peak_bf16_flops / self.gpu.peak_fp32_flops
+        return KernelTime(attention_s=seconds)
+
+
+# Bytes per score the unfused softmax and dropout move, in 2-byte activations: forward, the softmax reads and
+# writes the scores and dropout reads them and writes them and its 1-byte mask; backward, dropout reads the
+# gradient and the mask and writes, the softmax reads its output and the gradient and writes.
+UNFUSED_SCORE_BYTES_FORWARD, UNFUSED_SCORE_BYTES_BACKWARD = 9, 11
+
+
+def unfused_attention(pricer: KernelPricer, layout: Layout, tokens: float) -> tuple[KernelTime, KernelTime]:
+    """(forward, backward) of attention as batched products over the whole (uncausal) score matrix of each of
+    the rank's heads, plus the memory-bound passes over it."""
+    model, tp = layout.model, layout.parallel.tp
+    head_dim = model.dim // model.heads
+    heads = layout.micro_seqs * model.heads / tp
+    seq = model.seq_len
+    # Batched products: the heads stack along m, so their tiles fill the waves together.
+    scores = pricer.product(heads * layout.local_seq, head_dim, seq, in_fp8=False)
+    values = pricer.product(heads * layout.local_seq, seq, head_dim, in_fp8=False)
+    elements = heads * layout.local_seq * seq
+    forward = KernelTime(gemm_s=scores + values) + pricer.memory(elements * UNFUSED_SCORE_BYTES_FORWARD / 2)
+    backward = KernelTime(gemm_s=2 * (scores + values)) + pricer.memory(elements * UNFUSED_SCORE_BYTES_BACKWARD / 2)
+    return forward, backward
 
 
 def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> RankCompute:
     """One microbatch through these global stages (a pipeline rank's, or a single one)."""
     model, parallel = layout.model, layout.parallel
+    tp = parallel.tp
     tokens = layout.micro_seqs * layout.local_seq
     layers = held_layers(model, layout.total_stages, stages)
-    matmul = _matmul_elements(held_tensors(model, layout.total_stages, stages), model) / parallel.tp
+    holds_output = layout.total_stages - 1 in stages
+    matmul = _matmul_elements(held_tensors(model, layout.total_stages, stages), model) / tp
     if model.tie_embeddings and layout.total_stages == 1:
-        matmul += model.vocab * model.dim / parallel.tp
-    attention = layers * model.dim * model.seq_len / parallel.tp
-    forward = tokens * (2 * matmul + 4 * attention)
+        matmul += model.vocab * model.dim / tp
+    attention = layers * model.dim * model.seq_len / tp
+    forward_flops = tokens * (2 * matmul + 4 * attention)
+    head_dim = model.dim // model.heads
     recompute = layout.config.compute.recompute
     if recompute == "full":
-        repeated = forward
+        repeated = forward_flops
+    elif recompute == "selective" and layout.runtime == "megatron":
+        repeated = tokens * 4 * attention
     elif recompute == "selective":
-        head_dim = model.dim // model.heads
         attention_matmul = layers * (2 * model.dim * model.dim + 2 * model.dim * model.kv_heads * head_dim)
-        repeated = tokens * (2 * attention_matmul / parallel.tp + 4 * attention)
+        repeated = tokens * (2 * attention_matmul / tp + 4 * attention)
     else:
         repeated = 0.0
-    return RankCompute(forward, 2 * forward, repeated, 3 * forward, seconds_per_flop(layout, cluster))
+
+    pricer = KernelPricer(layout, cluster)
+    block = block_tensors(model, "*")
+    attention_products = local_products([t for t in block if ".attention." in t.name], layout, tokens)
+    mlp_products = local_products([t for t in block if ".mlp." in t.name], layout, tokens)
+    attention_linear = pricer.linear(attention_products, in_fp8=True)
+    mlp_linear = pricer.linear(mlp_products, in_fp8=True)
+    if layout.attention == "unfused":
+        core, core_backward = unfused_attention(pricer, layout, tokens)
+    else:
+        core = pricer.attention(2 * tokens * model.seq_len * model.dim / tp)
+        # Flash attention's backward recomputes the scores and runs 2.5 times the forward's products.
+        core_backward = core * 2.5
+    spread = tp if parallel.sequence_parallel and tp > 1 else 1
+    hidden_passes = tokens / spread * model.dim * (NORM_PASSES * NORM_ELEMENTS + RESIDUAL_PASSES * RESIDUAL_ELEMENTS)
+    rotary = 2 * tokens * (model.heads + model.kv_heads) * head_dim / tp
+    activation = tokens * model.ffn * model.top_k / tp * (3 if model.mlp == "swiglu" else 2)
+    attention_memory = pricer.memory(tokens / spread * model.dim * NORM_ELEMENTS + rotary)
+    block_memory = pricer.memory(hidden_passes + rotary + activation)
+
+    forward = (attention_linear[0] + mlp_linear[0] + core + block_memory) * layers
+    input_gradients = (
+        attention_linear[1] + mlp_linear[1] + core_backward + block_memory * BACKWARD_MEMORY_FACTOR
+    ) * layers
+    weight_gradients = (attention_linear[2] + mlp_linear[2]) * layers
+    if recompute == "full":
+        recomputed = forward
+    elif recompute == "selective" and layout.runtime == "megatron":
+        recomputed = core * layers
+    elif recompute == "selective":
+        recomputed = (attention_linear[0] + core + attention_memory) * layers
+    else:
+        recomputed = KernelTime()
+    if holds_output:
+        output = pricer.linear([Product("output", model.dim, model.vocab / tp, tokens)])
+        logits = tokens * model.vocab / tp * 4 / pricer.activation_bytes
+        final_norm = tokens / spread * model.dim * NORM_ELEMENTS
+        forward += output[0] + pricer.memory(final_norm + logits * LOSS_FORWARD_PASSES)
+        input_gradients += output[1] + pricer.memory(
+            final_norm * BACKWARD_MEMORY_FACTOR + logits * (LOSS_LOGIT_PASSES - LOSS_FORWARD_PASSES)
+        )
+        weight_gradients += output[2]
+    if 0 in stages:
+        forward += pricer.memory(tokens * model.dim)
+        input_gradients += pricer.memory(2 * tokens * model.dim)
+    return RankCompute(
+        forward_flops,
+        2 * forward_flops,
+        repeated,
+        3 * forward_flops,
+        forward,
+        input_gradients,
+        weight_gradients,
+        recomputed,
+    )

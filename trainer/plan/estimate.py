@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from trainer.config import ConfigError, RunConfig, parse_config
 from trainer.plan.communication import IN_LAYER_KINDS, Traffic, expose, groups, step_traffic
-from trainer.plan.compute import RankCompute, model_flops_per_token, stages_compute
+from trainer.plan.compute import KernelTime, RankCompute, model_flops_per_token, stages_compute
 from trainer.plan.hardware import ClusterSpec, parse_cluster
-from trainer.plan.layout import Layout, Runtime
+from trainer.plan.layout import Attention, Layout, Runtime
 from trainer.plan.memory import (
     RankMemory,
     layout_outside_allocator_terms,
@@ -217,10 +217,15 @@ def fit_errors(config: RunConfig, cluster: ClusterSpec) -> dict[str, str]:
 
 
 def estimate(
-    document: object, cluster_document: object = None, *, timeline: bool = True, runtime: Runtime = "loom"
+    document: object,
+    cluster_document: object = None,
+    *,
+    timeline: bool = True,
+    runtime: Runtime = "loom",
+    attention: Attention = "flash",
 ) -> Estimate:
     config, cluster = parse_plan(document, cluster_document)
-    return estimate_layout(Layout(config, runtime), cluster, timeline=timeline)
+    return estimate_layout(Layout(config, runtime, attention), cluster, timeline=timeline)
 
 
 def estimate_layout(layout: Layout, cluster: ClusterSpec, *, timeline: bool = True) -> Estimate:
@@ -286,8 +291,8 @@ def simulate_step(layout: Layout, cluster: ClusterSpec, ranks: list[RankTime], b
         stretch = busy[rank] / (layout.microbatches * ranks[rank].compute.total_s)
         cost = stages_compute(layout, cluster, [stage])
         forward.append(cost.forward_s * stretch)
-        backward.append((cost.backward_s - cost.backward_flops / 2 * cost.seconds_per_flop) * stretch)
-        weight.append(cost.backward_flops / 2 * cost.seconds_per_flop * stretch)
+        backward.append((cost.backward_s - cost.weight_gradient_s) * stretch)
+        weight.append(cost.weight_gradient_s * stretch)
     pp_messages = [item for item in ranks[0].traffic if item.kind == "pp"]
     p2p = pp_messages[0].time_s / pp_messages[0].calls if pp_messages else 0.0
     return simulate(
@@ -315,8 +320,8 @@ def time_terms(
             "compute",
             passes * pass_compute_s,
             f"{per_pass}{m} microbatch(es) × (forward + backward"
-            f"{' + recompute' if slowest.compute.recompute_flops else ''}) "
-            f"FLOPs × {slowest.compute.seconds_per_flop:.3e} s/FLOP (pipeline rank {slowest.pp_rank})",
+            f"{' + recompute' if slowest.compute.recompute_flops else ''}) kernels of pipeline rank "
+            f"{slowest.pp_rank}: {kernel_split(slowest.compute.kernels)}",
         ),
         Term(
             "exposed tp/cp/ep communication",
@@ -345,6 +350,14 @@ def time_terms(
         fill = f"{per_pass}fill and drain: 2(p − 1) messages"
         terms.append(Term("exposed pipeline send/recv", pipeline_p2p_s, fill))
     return terms
+
+
+def kernel_split(kernels: KernelTime) -> str:
+    """A microbatch's kernel time by kind, as the terms table shows it."""
+    return (
+        f"matrix products {kernels.gemm_s * 1e3:.3g} ms (roofline with wave quantization), flash attention "
+        f"{kernels.attention_s * 1e3:.3g} ms, memory-bound passes {kernels.memory_s * 1e3:.3g} ms per microbatch"
+    )
 
 
 def optimizer_seconds(elements: int, layout: Layout, cluster: ClusterSpec) -> float:

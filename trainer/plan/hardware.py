@@ -1,9 +1,11 @@
 """GPU types and the cluster they sit in: what the planner prices compute, memory and links with.
 
-Peak FLOP/s are vendor datasheet figures for dense tensor-core math (no sparsity). Achievable
-efficiency is the fraction of that peak a well-tuned transformer's matmuls and attention reach
-end to end on that GPU (Megatron-LM and torchtitan report 50–60 % MFU on A100/H100 for large
-models, which includes their exposed communication; the kernels alone run faster). Link figures
+Peak FLOP/s are vendor datasheet figures for dense tensor-core math (no sparsity). GEMM efficiency is
+the fraction of that peak the largest matrix products sustain (trainer.plan.kernel_time prices smaller
+ones below it from their shapes); attention efficiency the fraction flash attention's causal FLOPs reach.
+H100 and H200 figures are measured (benchmarks/gpu/measured: an H200, 2026-11-26; the H100 SXM has the
+same multiprocessors, clocks and power limit); the others are calibrated on published runs
+(benchmarks/planner_accuracy.py) or, where none exist, carried over from the H100 and marked so. Link figures
 are per GPU and per direction: NVLink inside a node, the GPU's share of the network between nodes.
 Memory is what the driver exposes, nvidia-smi's memory.total as these GPUs report it: all of the
 A100's 40 or 80 GiB; 81,559 MiB of an H100's 80 GiB (79.6 GiB); 143,771 MiB of an H200 (140.4 GiB,
@@ -29,12 +31,18 @@ class GpuType:
     name: str
     peak_bf16_flops: float
     peak_fp8_flops: float | None
+    peak_fp32_flops: float
+    """Without tensor cores: PyTorch leaves TF32 off for matrix products, so fp32 runs at this rate."""
     memory_bytes: int
     """HBM the driver exposes (nvidia-smi's memory.total)."""
     memory_bandwidth: float
     """HBM bytes per second."""
     compute_efficiency: float
-    """Fraction of peak the model's kernels reach."""
+    """Fraction of peak the largest matrix products sustain."""
+    attention_efficiency: float
+    """Fraction of the bf16 peak flash attention's causal FLOPs reach."""
+    multiprocessors: int
+    """Streaming multiprocessors: a product's tiles run in waves of this many."""
     intra_node_bandwidth: float
     """Bytes per second per GPU per direction over NVLink (or PCIe)."""
     inter_node_bandwidth: float
@@ -44,12 +52,17 @@ class GpuType:
 GPU_TYPES: dict[str, GpuType] = {
     gpu.name: gpu
     for gpu in (
-        GpuType("A100-40GB", 312e12, None, 40 * GIB, 1.555e12, 0.62, 300 * GB, 25 * GB),
-        GpuType("A100-80GB", 312e12, None, 80 * GIB, 2.039e12, 0.62, 300 * GB, 25 * GB),
-        GpuType("H100-SXM", 989e12, 1979e12, 81_559 * MIB, 3.35e12, 0.58, 450 * GB, 50 * GB),
-        GpuType("H100-PCIe", 756e12, 1513e12, 81_559 * MIB, 2.0e12, 0.55, 64 * GB, 50 * GB),
-        GpuType("H200", 989e12, 1979e12, 143_771 * MIB, 4.8e12, 0.60, 450 * GB, 50 * GB),
-        GpuType("B200", 2250e12, 4500e12, 183_359 * MIB, 8.0e12, 0.55, 900 * GB, 100 * GB),
+        # Fitted on Narayanan et al. 2021, Table 1 (benchmarks/published_runs.py, the calibration set): Megatron-LM
+        # of 2021 on A100s. The ceiling also absorbs that software's unfused kernels beside the products, so a
+        # newer stack on an A100 will run faster than this prices. Attention: not measured, the H100's less.
+        GpuType("A100-40GB", 312e12, None, 19.5e12, 40 * GIB, 1.555e12, 0.48, 0.50, 108, 300 * GB, 25 * GB),
+        GpuType("A100-80GB", 312e12, None, 19.5e12, 80 * GIB, 2.039e12, 0.48, 0.50, 108, 300 * GB, 25 * GB),
+        GpuType("H100-SXM", 989e12, 1979e12, 67e12, 81_559 * MIB, 3.35e12, 0.69, 0.55, 132, 450 * GB, 50 * GB),
+        # Not measured: the SXM's figures, on the PCIe card's own peak and 114 multiprocessors.
+        GpuType("H100-PCIe", 756e12, 1513e12, 51e12, 81_559 * MIB, 2.0e12, 0.69, 0.55, 114, 64 * GB, 50 * GB),
+        GpuType("H200", 989e12, 1979e12, 67e12, 143_771 * MIB, 4.8e12, 0.69, 0.55, 132, 450 * GB, 50 * GB),
+        # Not measured: the H100's figures, on the B200's own peak and 148 multiprocessors.
+        GpuType("B200", 2250e12, 4500e12, 80e12, 183_359 * MIB, 8.0e12, 0.69, 0.55, 148, 900 * GB, 100 * GB),
     )
 }
 
@@ -76,7 +89,10 @@ class ClusterSpec(BaseModel):
     intra_node_latency_s: float = Field(INTRA_NODE_LATENCY_S, ge=0, description="Per-message latency inside a node.")
     inter_node_latency_s: float = Field(INTER_NODE_LATENCY_S, ge=0, description="Per-message latency between nodes.")
     compute_efficiency: float | None = Field(
-        None, gt=0, le=1, description="Fraction of peak FLOP/s the kernels reach; null: the GPU type's figure."
+        None,
+        gt=0,
+        le=1,
+        description="Fraction of peak FLOP/s the largest matrix products reach; null: the GPU type's figure.",
     )
 
     @model_validator(mode="after")

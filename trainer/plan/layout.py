@@ -16,6 +16,7 @@ MATMUL_INPUT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 PLACEMENT = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 RUNTIMES = ("loom", "megatron")
 Runtime = Literal["loom", "megatron"]
+Attention = Literal["flash", "unfused"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class Layout:
     runtime: Runtime = "loom"
     """Whose training code runs the layout: loom's trainer, or Megatron-LM (what the planner exports to). They
     differ in what each overlaps, recomputes and keeps."""
+    attention: Attention = "flash"
+    """How the runtime computes attention: one fused flash kernel (loom's SDPA, Megatron-LM since 2023), or
+    unfused as Megatron-LM did in 2021–2022: QKᵀ and AV as batched products around a softmax and dropout that
+    read and write the whole score matrix."""
 
     @property
     def model(self):

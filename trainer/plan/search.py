@@ -699,11 +699,20 @@ class Pricer:
     def _rank_compute(self, candidate: Candidate, rank: int) -> RankCompute:
         """`stages_compute` of the rank's stages. It reads of the layout what the rank holds (its
         signature, and whether a tied output has a copy of its own: more than one stage), the
-        recompute mode, tp, cp and the sequences in a microbatch."""
+        recompute mode, tp, cp, ep (the tokens each local expert's products take) and the sequences in a
+        microbatch."""
         held = self._holding(candidate, rank)
         one_stage = candidate.pp * candidate.pipeline.stages_per_rank == 1
         micro_seqs = candidate.micro_batch // candidate.pipeline.microbatches
-        key = (held.signature, one_stage, candidate.recompute, candidate.tp, candidate.cp, micro_seqs)
+        key = (
+            held.signature,
+            one_stage,
+            candidate.recompute,
+            candidate.tp,
+            candidate.cp,
+            candidate.data.ep,
+            micro_seqs,
+        )
         if key not in self._compute:
             self._compute[key] = stages_compute(self._layout(candidate), self.cluster, held.stages)
         return self._compute[key]
