@@ -6,6 +6,7 @@ import pytest
 
 from trainer.config import parse_config
 from trainer.plan.compute import UNFUSED_SCORE_BYTES_FORWARD, stages_compute
+from trainer.plan.estimate import estimate
 from trainer.plan.hardware import GPU_TYPES, parse_cluster
 from trainer.plan.kernel_time import (
     KERNEL_FLOOR_S,
@@ -91,3 +92,30 @@ def test_sequence_parallel_splits_the_norms_and_residuals_over_the_tp_ranks():
     split = compute(parallel={"tp": 8, "dp_shard": 1, "sequence_parallel": True})
     assert split.forward.memory_s < plain.forward.memory_s
     assert split.forward.gemm_s == plain.forward.gemm_s
+
+
+def tp_traffic(runtime):
+    document = {
+        "model": MODEL,
+        "parallel": {"tp": 8, "dp_shard": 1, "sequence_parallel": True},
+        "data": {"micro_batch": 2},
+    }
+    result = estimate(document, {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 8}, runtime=runtime)
+    rank = result.ranks[0]
+    return rank, [item for item in rank.traffic if item.kind == "tp"]
+
+
+def test_megatron_hides_the_backward_tp_collectives_under_the_weight_gradients():
+    loom_rank, loom = tp_traffic("loom")
+    megatron_rank, megatron = tp_traffic("megatron")
+    assert all(item.exposed_s == item.time_s for item in loom)
+    assert sum(item.calls for item in loom) == sum(item.calls for item in megatron)
+    overlapped = [item for item in megatron if item.overlaps_weight_gradients]
+    # Two of each block's four collectives run in backward.
+    assert sum(item.calls for item in overlapped) == 2 * 2 * MODEL["layers"]
+    hidden = sum(item.time_s - item.exposed_s for item in overlapped)
+    assert hidden == pytest.approx(
+        min(sum(item.time_s for item in overlapped), megatron_rank.compute.weight_gradient_s)
+    )
+    exposed = sum(item.exposed_s for item in megatron if not item.overlaps_weight_gradients)
+    assert exposed == pytest.approx(sum(item.time_s for item in megatron if not item.overlaps_weight_gradients))

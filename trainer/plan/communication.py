@@ -8,7 +8,9 @@ reduce-scatter (n−1)(α + B/(n·β)), all-to-all (n−1)(α + B/(n·β)), send
 whole buffer and β the link's bandwidth times the efficiency rings reach.
 
 What is exposed: tensor-, context- and expert-parallel collectives sit between dependent matmuls
-(fully exposed). FSDP's all-gathers are prefetched under the previous block's compute and its
+(fully exposed in loom's trainer). Megatron-LM overlaps the backward pass's tensor-parallel collectives
+with the weight-gradient products (Korthikanti et al. 2022, §6.2): those hide under that compute.
+FSDP's all-gathers are prefetched under the previous block's compute and its
 reduce-scatters run under the next block's backward; DDP all-reduces buckets under backward: only
 what exceeds that compute, plus the first gather and last reduction, is exposed. Pipeline sends
 overlap the steady state; the fill and drain, 2(p − 1) messages, are exposed.
@@ -75,6 +77,8 @@ class Traffic:
     inter_node: bool
     passes: int = 1
     """The accumulation passes it is spread over: the compute of that many passes can hide it."""
+    overlaps_weight_gradients: bool = False
+    """The runtime runs it beside the weight-gradient products (Megatron's backward tp collectives)."""
     time_s: float = 0.0
     exposed_s: float = 0.0
     note: str = ""
@@ -136,34 +140,64 @@ def step_traffic(
     passes = layout.accumulation_steps
     m, e, c = passes * layout.microbatches, layout.activation_bytes, layout.compute_bytes
     recompute = layout.config.compute.recompute
-    repeats = {"none": 0, "selective": 0.5, "full": 1}[recompute]
+    # Recompute repeats the forward's collectives: full every one, loom's selective the attention sub-block's
+    # (half), Megatron's selective none (the attention core alone communicates nothing).
+    selective = 0.0 if layout.runtime == "megatron" else 0.5
+    repeats = {"none": 0, "selective": selective, "full": 1}[recompute]
     sbh = layout.local_seq * layout.micro_seqs * model.dim * e
     traffic: list[Traffic] = []
 
-    def add(kind: str, op: str, dim: str, buffer: float, calls: float, note: str) -> None:
+    def add(kind: str, op: str, dim: str, buffer: float, calls: float, note: str, overlapped: bool = False) -> None:
         members = group[dim]
         if members.size > 1 and calls > 0 and buffer > 0:
             crosses = members.crosses_nodes(gpn)
-            traffic.append(Traffic(kind, op, dim, members.size, buffer, calls, crosses, passes, note=note))
+            traffic.append(
+                Traffic(
+                    kind,
+                    op,
+                    dim,
+                    members.size,
+                    buffer,
+                    calls,
+                    crosses,
+                    passes,
+                    overlaps_weight_gradients=overlapped,
+                    note=note,
+                )
+            )
 
     if parallel.tp > 1:
         # Per block: two collectives forward (after wo and after w2) and two backward (before the
         # q/k/v and w1/w3 input gradients); sequence parallel turns each into a gather and a scatter
         # (forward: gather in, scatter out; backward the reverse). Recompute repeats the forward ones;
-        # the embedding and the output add one each way.
+        # the embedding and the output add one each way. Megatron hides the backward ones (`expose`).
         ends = (1 if holds_embedding else 0) + (1 if holds_output else 0)
+        everything = m * (rank_layers * (4 + 2 * repeats) + ends)
+        backward = m * rank_layers * 2 if layout.runtime == "megatron" else 0
         if parallel.sequence_parallel:
-            each = m * (rank_layers * (4 + 2 * repeats) + ends)
-            add("tp", "all_gather", "tp", sbh, each, "sequence parallel: into q/k/v and the MLP")
-            add("tp", "reduce_scatter", "tp", sbh, each, "sequence parallel: out of wo and w2")
+            for op, note in (
+                ("all_gather", "sequence parallel: into q/k/v and the MLP"),
+                ("reduce_scatter", "sequence parallel: out of wo and w2"),
+            ):
+                add("tp", op, "tp", sbh, everything - backward, note)
+                add("tp", op, "tp", sbh, backward, f"{note}; backward, beside the weight gradients", overlapped=True)
         else:
             add(
                 "tp",
                 "all_reduce",
                 "tp",
                 sbh,
-                m * (rank_layers * (4 + 2 * repeats) + ends),
+                everything - backward,
                 "after wo and w2 forward, before q/k/v and w1/w3 backward",
+            )
+            add(
+                "tp",
+                "all_reduce",
+                "tp",
+                sbh,
+                backward,
+                "before q/k/v and w1/w3 backward, beside the weight gradients",
+                overlapped=True,
             )
     if parallel.cp > 1:
         head_dim = model.dim // model.heads
@@ -229,13 +263,25 @@ def data_parallel_traffic(layout: Layout, group: dict[str, Group], gpn: int, ele
     return traffic
 
 
-def expose(traffic: list[Traffic], forward_s: float, backward_s: float, rank_layers: int, pipeline_ranks: int) -> None:
+def expose(
+    traffic: list[Traffic],
+    forward_s: float,
+    backward_s: float,
+    rank_layers: int,
+    pipeline_ranks: int,
+    weight_gradients_s: float = 0.0,
+) -> None:
     """Fill in exposed_s: what compute cannot hide (see the module docstring). forward_s and backward_s
-    are one pass's; traffic spread over several passes is hidden by (and exposes its ends in) each."""
+    are one pass's; traffic spread over several passes is hidden by (and exposes its ends in) each.
+    weight_gradients_s: the step's weight-gradient compute, which hides the collectives that overlap it."""
     layers = max(rank_layers, 1)
+    beside_weight_gradients = weight_gradients_s
     for item in traffic:
         passes = item.passes
-        if item.kind in IN_LAYER_KINDS:
+        if item.overlaps_weight_gradients:
+            item.exposed_s = max(0.0, item.time_s - beside_weight_gradients)
+            beside_weight_gradients = max(0.0, beside_weight_gradients - item.time_s)
+        elif item.kind in IN_LAYER_KINDS:
             item.exposed_s = item.time_s
         elif item.kind == "pp":
             per_message = item.time_s / item.calls

@@ -168,12 +168,14 @@ class KernelPricer:
         fp32 = layout.precision == "fp32"
         self.peak, self.element_bytes = (self.gpu.peak_fp32_flops, 4) if fp32 else (bf16, 2)
         self.fp8 = layout.precision == "fp8" and self.gpu.peak_fp8_flops is not None
+        # A ceiling the cluster overrides moves the fp8 products' ceiling in proportion.
+        self.fp8_ceiling = (self.gpu.fp8_efficiency or 0.0) * self.ceiling / self.gpu.compute_efficiency
 
     def product(self, m: float, k: float, n: float, in_fp8: bool) -> float:
         if in_fp8:
             # The inputs are cast to fp8 first: each read in bf16 and written in one byte.
             casts = memory_seconds(3 * (m * k + k * n), self.gpu)
-            return gemm_seconds(m, k, n, self.gpu, self.gpu.peak_fp8_flops, self.ceiling, 1) + casts
+            return gemm_seconds(m, k, n, self.gpu, self.gpu.peak_fp8_flops, self.fp8_ceiling, 1) + casts
         return gemm_seconds(m, k, n, self.gpu, self.peak, self.ceiling, self.element_bytes)
 
     def linear(self, products: list[Product], in_fp8: bool = False) -> tuple[KernelTime, KernelTime, KernelTime]:

@@ -277,7 +277,8 @@ def rank_time_from(
     """A pipeline rank's traffic and what of it compute hides, from what the rank holds (`unsharded`:
     its parameters before ZeRO/FSDP sharding) and computes."""
     traffic = step_traffic(layout, cluster, unsharded, held.layers, held.holds_embedding, held.holds_output)
-    expose(traffic, compute.forward_s, compute.backward_s, held.layers, layout.parallel.pp)
+    weight_gradients_s = layout.accumulation_steps * layout.microbatches * compute.weight_gradient_s
+    expose(traffic, compute.forward_s, compute.backward_s, held.layers, layout.parallel.pp, weight_gradients_s)
     return RankTime(pp_rank, compute, traffic, layout.accumulation_steps)
 
 

@@ -3,8 +3,9 @@
 Peak FLOP/s are vendor datasheet figures for dense tensor-core math (no sparsity). GEMM efficiency is
 the fraction of that peak the largest matrix products sustain (trainer.plan.kernel_time prices smaller
 ones below it from their shapes); attention efficiency the fraction flash attention's causal FLOPs reach.
-H100 and H200 figures are measured (benchmarks/gpu/measured: an H200, 2026-11-26; the H100 SXM has the
-same multiprocessors, clocks and power limit); the others are calibrated on published runs
+H100 and H200 figures are measured (benchmarks/gpu/measured: an H200, 2026-11-26, bf16 products 0.69
+of the bf16 peak, fp8 products with per-tensor scales 0.62 of the fp8 peak; the H100 SXM has the same
+multiprocessors, clocks and power limit); the others are calibrated on published runs
 (benchmarks/planner_accuracy.py) or, where none exist, carried over from the H100 and marked so. Link figures
 are per GPU and per direction: NVLink inside a node, the GPU's share of the network between nodes.
 Memory is what the driver exposes, nvidia-smi's memory.total as these GPUs report it: all of the
@@ -39,6 +40,8 @@ class GpuType:
     """HBM bytes per second."""
     compute_efficiency: float
     """Fraction of peak the largest matrix products sustain."""
+    fp8_efficiency: float | None
+    """The same for fp8 products (per-tensor scales), of the fp8 peak; None without fp8 tensor cores."""
     attention_efficiency: float
     """Fraction of the bf16 peak flash attention's causal FLOPs reach."""
     multiprocessors: int
@@ -55,14 +58,14 @@ GPU_TYPES: dict[str, GpuType] = {
         # Fitted on Narayanan et al. 2021, Table 1 (benchmarks/published_runs.py, the calibration set): Megatron-LM
         # of 2021 on A100s. The ceiling also absorbs that software's unfused kernels beside the products, so a
         # newer stack on an A100 will run faster than this prices. Attention: not measured, the H100's less.
-        GpuType("A100-40GB", 312e12, None, 19.5e12, 40 * GIB, 1.555e12, 0.48, 0.50, 108, 300 * GB, 25 * GB),
-        GpuType("A100-80GB", 312e12, None, 19.5e12, 80 * GIB, 2.039e12, 0.48, 0.50, 108, 300 * GB, 25 * GB),
-        GpuType("H100-SXM", 989e12, 1979e12, 67e12, 81_559 * MIB, 3.35e12, 0.69, 0.55, 132, 450 * GB, 50 * GB),
+        GpuType("A100-40GB", 312e12, None, 19.5e12, 40 * GIB, 1.555e12, 0.46, None, 0.50, 108, 300 * GB, 25 * GB),
+        GpuType("A100-80GB", 312e12, None, 19.5e12, 80 * GIB, 2.039e12, 0.46, None, 0.50, 108, 300 * GB, 25 * GB),
+        GpuType("H100-SXM", 989e12, 1979e12, 67e12, 81_559 * MIB, 3.35e12, 0.69, 0.62, 0.55, 132, 450 * GB, 50 * GB),
         # Not measured: the SXM's figures, on the PCIe card's own peak and 114 multiprocessors.
-        GpuType("H100-PCIe", 756e12, 1513e12, 51e12, 81_559 * MIB, 2.0e12, 0.69, 0.55, 114, 64 * GB, 50 * GB),
-        GpuType("H200", 989e12, 1979e12, 67e12, 143_771 * MIB, 4.8e12, 0.69, 0.55, 132, 450 * GB, 50 * GB),
+        GpuType("H100-PCIe", 756e12, 1513e12, 51e12, 81_559 * MIB, 2.0e12, 0.69, 0.62, 0.55, 114, 64 * GB, 50 * GB),
+        GpuType("H200", 989e12, 1979e12, 67e12, 143_771 * MIB, 4.8e12, 0.69, 0.62, 0.55, 132, 450 * GB, 50 * GB),
         # Not measured: the H100's figures, on the B200's own peak and 148 multiprocessors.
-        GpuType("B200", 2250e12, 4500e12, 80e12, 183_359 * MIB, 8.0e12, 0.69, 0.55, 148, 900 * GB, 100 * GB),
+        GpuType("B200", 2250e12, 4500e12, 80e12, 183_359 * MIB, 8.0e12, 0.69, 0.62, 0.55, 148, 900 * GB, 100 * GB),
     )
 }
 
