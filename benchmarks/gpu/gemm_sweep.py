@@ -26,7 +26,7 @@ import torch
 
 HIDDEN_SIZES = (1024, 2048, 2304, 3072, 4096, 5120, 6144, 8192, 12288, 16384, 20480, 25600)
 TP_DEGREES = (1, 2, 4, 8)
-TOKENS = (2048, 4096, 8192, 16384)
+TOKENS = (2048, 8192, 16384)
 FP8_TOKENS = (4096, 16384)
 # (batch, heads, sequence, head_dim) for attention forward+backward through SDPA (flash on Hopper).
 ATTENTION_SHAPES = ((1, 16, 2048, 128), (4, 32, 2048, 128), (1, 64, 4096, 128), (2, 8, 8192, 128), (1, 12, 2048, 64))

@@ -11,8 +11,11 @@ Parts, in order, each a subprocess with its own time cap whose output goes to OU
   throughput  benchmarks/throughput.py --config 1b: loom against Hugging Face's Llama, tokens/s and MFU
   kernels     the Triton kernel tests compiled on CUDA (tests/trainer/test_kernels.py), then
               benchmarks/kernels.py's fused-vs-torch timings
-OUTDIR/environment.txt records the device, driver and library versions; OUTDIR/summary.txt each part's exit
-status and time. A part that fails or runs out of time does not stop the others.
+  profile     benchmarks/gpu/profile_step.py: a 1b step's device time by kind of kernel, and how long the GPU
+              sat idle, beside the planner's estimate of the same step
+OUTDIR/summary.txt records the device, driver and library versions, then each part's exit status and time.
+A part that fails or runs out of time does not stop the others. Eight files in all: what a lent GPU machine
+hands back.
 """
 
 from __future__ import annotations
@@ -62,30 +65,17 @@ def parts(out: Path, gpu: str, dry_run: bool) -> list[tuple[str, list[list[str]]
         "tests/trainer/test_kernels.py",
     ]
     throughput = ["--config", "tiny", "--steps", "2"] if dry_run else ["--config", "1b"]
+    memory = [python, "benchmarks/gpu/memory_check.py", str(out / "memory.json"), "--gpu", gpu, "--budget-s", "200"]
     return [
         (
             "gemm",
-            [[python, "benchmarks/gpu/gemm_sweep.py", str(out / "gemm.json"), "--gpu", gpu, "--budget-s", "75", *flag]],
-            90,
+            [[python, "benchmarks/gpu/gemm_sweep.py", str(out / "gemm.json"), "--gpu", gpu, "--budget-s", "60", *flag]],
+            75,
         ),
-        (
-            "memory",
-            [
-                [
-                    python,
-                    "benchmarks/gpu/memory_check.py",
-                    str(out / "memory.json"),
-                    "--gpu",
-                    gpu,
-                    "--budget-s",
-                    "160",
-                    *flag,
-                ]
-            ],
-            175,
-        ),
-        ("throughput", [[python, "benchmarks/throughput.py", *throughput]], 100),
-        ("kernels", [pytest + (["--collect-only"] if dry_run else []), [python, "benchmarks/kernels.py"]], 120),
+        ("memory", [memory + flag], 215),
+        ("throughput", [[python, "benchmarks/throughput.py", *throughput]], 80),
+        ("kernels", [pytest + (["--collect-only"] if dry_run else []), [python, "benchmarks/kernels.py"]], 80),
+        ("profile", [[python, "benchmarks/gpu/profile_step.py", "--gpu", gpu, *flag]], 45),
     ]
 
 
@@ -158,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outdir", type=Path, help="directory every result is written to")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU: check the wiring, measure nothing")
-    parser.add_argument("--only", nargs="+", help="run only these parts (gemm, memory, throughput, kernels)")
+    parser.add_argument("--only", nargs="+", help="run only these parts (gemm, memory, throughput, kernels, profile)")
     args = parser.parse_args(argv)
     args.outdir.mkdir(parents=True, exist_ok=True)
     out = args.outdir.resolve()
-    (out / "environment.txt").write_text(environment_report())
+    environment = environment_report()
     environ = dict(
         os.environ,
         PYTHONUNBUFFERED="1",
@@ -182,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         summary.append(line)
         failed += [] if ok else [name]
         print(line, flush=True)
-    (out / "summary.txt").write_text(f"planner GPU type: {gpu}\n" + "\n".join(summary) + "\n")
+    (out / "summary.txt").write_text(f"{environment}planner GPU type: {gpu}\n" + "\n".join(summary) + "\n")
     return 1 if failed else 0
 
 

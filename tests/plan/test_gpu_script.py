@@ -21,9 +21,11 @@ def test_the_gpu_script_runs_every_part_on_cpu(tmp_path):
     )
     assert finished.returncode == 0, finished.stdout + finished.stderr
     summary = (tmp_path / "summary.txt").read_text()
-    for part in ("gemm", "memory", "throughput", "kernels"):
+    for part in ("gemm", "memory", "throughput", "kernels", "profile"):
         assert f"{part} " in summary and (tmp_path / f"{part}.log").exists()
-    assert "device: cpu" in (tmp_path / "environment.txt").read_text()
+    assert "device: cpu" in summary
+    # What a lent GPU machine hands back: at most eight files.
+    assert len(list(tmp_path.iterdir())) <= 8
 
     gemm = json.loads((tmp_path / "gemm.json").read_text())
     products = {(row["hidden"], row["tp"], row["product"]) for row in gemm["bf16"]}
@@ -38,3 +40,4 @@ def test_the_gpu_script_runs_every_part_on_cpu(tmp_path):
         assert case["estimated_peak_bytes"] > 0 and case["estimated_step_s"] > 0
     assert "ratio loom/HF" in (tmp_path / "throughput.log").read_text()
     assert "tests collected" in (tmp_path / "kernels.log").read_text()
+    assert "planned per step" in (tmp_path / "profile.log").read_text()
