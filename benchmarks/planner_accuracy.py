@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/planner_accuracy.py --json accuracy.json
 
 Runs every case of benchmarks/published_runs.py (Megatron-LM, NeMo and Megatron-Bridge runs through the planner's
-"megatron" runtime, torchtitan runs through its "loom" runtime) through trainer.plan.estimate.estimate and prints
+"megatron" runtime, torchtitan runs through its "torchtitan" runtime) through trainer.plan.estimate.estimate and prints
 one line per case: published and estimated seconds per optimizer step and the error, and, where the source gives
 one, published and estimated peak memory and its error. Then, for the calibration set (whose cases may be used
 to fit the planner's constants) and the held-out set (which must never be), the average and worst |error| of step

@@ -2,7 +2,7 @@
 it, as a loom run config, with the step time (and peak memory, where given) the source measured.
 
 Every figure was read from the source named in the case. Megatron-LM, NeMo and Megatron-Bridge runs use the
-planner's "megatron" runtime; torchtitan runs (PyTorch-native FSDP2/DTensor, like loom's trainer) its "loom"
+planner's "megatron" runtime; torchtitan runs (PyTorch-native FSDP2/DTensor) its "torchtitan"
 runtime. What a source leaves unsaid and the case had to assume is listed in the case's `assumed`.
 
 How Megatron's batch terms map to loom's (trainer/config.py, trainer/plan/layout.py): Megatron's data-parallel
@@ -457,7 +457,7 @@ def torchtitan_runs() -> list[PublishedRun]:
                 name=f"torchtitan-8b-fsdp{gpus}-{technique.replace(' + ', '-').replace('torch.', '').lower()}",
                 source=f"{TORCHTITAN_2412}; Table {table}, row {technique}",
                 fitting="held-out",
-                runtime="loom",
+                runtime="torchtitan",
                 cluster=cluster("H100-SXM", gpus),
                 document=torchtitan_document(
                     torchtitan_llama3("8B", 8192),
@@ -485,7 +485,7 @@ def torchtitan_runs() -> list[PublishedRun]:
                 name=f"torchtitan-8b-fsdp{dp_shard}-cp{cp}-seq{seq_len}",
                 source=f"{TORCHTITAN_2412}; Table 2, row FSDP {dp_shard}, CP {cp}",
                 fitting="held-out",
-                runtime="loom",
+                runtime="torchtitan",
                 cluster=cluster("H100-SXM", 8),
                 document=torchtitan_document(
                     torchtitan_llama3("8B", seq_len),
@@ -508,7 +508,7 @@ def torchtitan_runs() -> list[PublishedRun]:
             name="torchtitan-70b-fsdp32-tp8",
             source=f"{TORCHTITAN_2412}; Table 4, row 2D",
             fitting="held-out",
-            runtime="loom",
+            runtime="torchtitan",
             cluster=cluster("H100-SXM", 256),
             document=torchtitan_document(
                 torchtitan_llama3("70B", 8192),
@@ -535,7 +535,7 @@ def torchtitan_runs() -> list[PublishedRun]:
                     f"{'None (bfloat16)' if precision == 'bf16' else 'float8 tensorwise'}, vanilla TP"
                 ),
                 fitting="held-out",
-                runtime="loom",
+                runtime="torchtitan",
                 cluster=cluster("H100-SXM", gpus),
                 document=torchtitan_document(
                     torchtitan_llama3(flavor, 8192),

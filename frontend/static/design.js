@@ -590,7 +590,12 @@
 
   async function exportLayout() {
     const exportFormat = document.getElementById("export-format").value;
-    const answer = await postJson(page.urls.export, { config: currentRequest().config, format: exportFormat });
+    const request = currentRequest();
+    const answer = await postJson(page.urls.export, {
+      config: request.config,
+      cluster: request.cluster,
+      format: exportFormat,
+    });
     if (answer.status === 400) {
       showMessages(answer.body.errors, []);
       return;
@@ -601,10 +606,19 @@
     const warnings = document.getElementById("export-warnings");
     warnings.replaceChildren(...answer.body.warnings.map(({ field, message }) => loom.listItem(`${field}: ${message}`)));
     warnings.hidden = answer.body.warnings.length === 0;
+    setText("export-estimates", runtimeComparison(answer.body.estimates, exportFormat));
     setText("export-copy-status", "");
     const panel = document.getElementById("export-panel");
     panel.hidden = false;
     panel.scrollIntoView({ block: "nearest" });
+  }
+
+  // The same layout priced for the trainer it goes to, which fuses, overlaps and recomputes otherwise.
+  function runtimeComparison(estimates, exportFormat) {
+    const priced = (runtime) =>
+      `${formatSeconds(runtime.step_s)} a step, ${Math.round(runtime.tokens_per_s).toLocaleString("en")} tokens/s, ` +
+      `${formatBinaryBytes(runtime.peak_bytes)} peak${runtime.fits ? "" : " (does not fit)"}`;
+    return `On ${exportFormat}: ${priced(estimates[exportFormat])}. On loom's trainer: ${priced(estimates.loom)}.`;
   }
 
   async function copyExport() {

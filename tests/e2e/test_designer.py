@@ -221,6 +221,8 @@ def test_export_copies_and_downloads_the_exported_text(designer, tmp_path):
     page.click("#export")
     expect(page.locator("#export-text")).to_contain_text("--rotary-base=500000")
     expect(page.locator("#export-warnings")).to_contain_text("optimizer.lr: lr 0.003 is loom's demo default")
+    expect(page.locator("#export-estimates")).to_contain_text("On megatron: ")
+    expect(page.locator("#export-estimates")).to_contain_text("On loom's trainer: ")
     exported = page.locator("#export-text").text_content()
 
     page.click("#export-copy")

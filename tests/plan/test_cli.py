@@ -70,6 +70,18 @@ def test_estimate_json_is_the_estimate_without_its_timeline(layout_file, tmp_pat
     assert {"memory", "time", "tokens_per_s", "mfu", "comm", "warnings"} <= set(document)
 
 
+def test_estimate_prices_the_layout_for_the_runtime_named(layout_file):
+    exposed = {}
+    for runtime in ("loom", "megatron"):
+        answer = plan("estimate", str(layout_file), "--gpu", "H100-SXM", "--nodes", "8", "--runtime", runtime, "--json")
+        assert answer.returncode == 0, answer.stderr
+        terms = {term["name"]: term["value"] for term in json.loads(answer.stdout)["time"]["terms"]}
+        exposed[runtime] = terms["exposed tp/cp/ep communication"]
+    # Megatron hides its backward tp collectives under the weight gradients; loom's trainer does not.
+    assert 0 < exposed["megatron"] < exposed["loom"]
+    assert plan("estimate", str(layout_file), "--runtime", "deepspeed").returncode == 2
+
+
 def test_search_json_lists_fitting_layouts_and_the_frontier():
     answer = plan(
         "search",

@@ -25,7 +25,7 @@ def test_every_case_names_its_source_and_set():
     for run in PUBLISHED_RUNS:
         assert run.source.strip() and run.step_from.strip()
         assert run.fitting in ("calibration", "held-out")
-        assert run.runtime in ("megatron", "loom")
+        assert run.runtime in ("megatron", "torchtitan")
     for case in NOT_EXPRESSIBLE:
         assert case.source.strip() and case.reason.strip()
 

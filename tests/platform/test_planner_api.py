@@ -209,6 +209,18 @@ def test_export_writes_the_layout_for_another_trainer(client, token, export_form
     assert expected in response.json()["text"]
 
 
+def test_export_prices_the_layout_for_the_trainer_it_goes_to(client, token):
+    config = with_changes(LLAMA3_8B_TP2, compute={"recompute": "selective"})
+    body = {"config": config, "format": "megatron", "cluster": ONE_H100_NODE}
+    estimates = post(client, "/api/plan/export", body, token).json()["estimates"]
+    assert set(estimates) == {"loom", "megatron"}
+    # Megatron's selective recompute repeats only the attention core and hides its backward tp collectives.
+    assert estimates["megatron"]["step_s"] < estimates["loom"]["step_s"]
+    assert post(client, "/api/plan/export", {"config": config, "format": "megatron"}, token).json()["estimates"] is None
+    errors = field_errors(post(client, "/api/plan/export", {**body, "cluster": {"gpu": "TPU"}}, token))
+    assert "cluster.gpu" in errors
+
+
 def test_export_refuses_a_layout_the_other_trainer_cannot_run_naming_the_field(client, token):
     config = with_changes(LLAMA3_8B_TP2, parallel={"pp": 2, "pp_schedule": "ZBVZeroBubble", "stages_per_rank": 2,
                                                    "microbatches": 2})  # fmt: skip

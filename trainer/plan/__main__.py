@@ -28,6 +28,7 @@ from trainer.plan.defaults import planned_estimate, with_planning_defaults
 from trainer.plan.estimate import Estimate
 from trainer.plan.export import export_job
 from trainer.plan.hardware import GIB, GPU_TYPES
+from trainer.plan.layout import RUNTIMES
 from trainer.plan.presets import MODEL_PRESETS, with_preset
 from trainer.plan.search import Found, SearchResult, search
 
@@ -59,6 +60,13 @@ def parser() -> argparse.ArgumentParser:
     estimating = commands.add_parser("estimate", help="memory, step time and throughput of one layout")
     estimating.add_argument("config", metavar="CONFIG.json", help="run-config document")
     add_cluster_arguments(estimating)
+    estimating.add_argument(
+        "--runtime",
+        default="loom",
+        choices=RUNTIMES,
+        help="whose trainer runs it: loom's, or one the layout is exported to (they fuse, overlap and recompute "
+        "differently)",
+    )
     estimating.add_argument("--json", action="store_true", help="print the estimate as JSON")
     estimating.set_defaults(run=run_estimate)
 
@@ -130,7 +138,9 @@ def model_of(argument: str) -> object:
 
 
 def run_estimate(arguments: argparse.Namespace) -> str:
-    result, defaults = planned_estimate(read_json(arguments.config, "config"), cluster_of(arguments), timeline=False)
+    result, defaults = planned_estimate(
+        read_json(arguments.config, "config"), cluster_of(arguments), timeline=False, runtime=arguments.runtime
+    )
     if arguments.json:
         return json.dumps({**result.to_json(timeline=False), "defaults": defaults}, indent=2)
     return describe_estimate(result, defaults)

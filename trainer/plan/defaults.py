@@ -21,6 +21,7 @@ from __future__ import annotations
 from trainer.config import ConfigError
 from trainer.plan.estimate import Estimate, estimate
 from trainer.plan.hardware import ClusterSpec, parse_cluster
+from trainer.plan.layout import Runtime
 
 PLANNING_DEFAULTS = {"compute.precision": "bf16", "compute.recompute": "selective"}
 
@@ -56,11 +57,11 @@ def with_planning_defaults(document: object, cluster_document: object = None) ->
 
 
 def planned_estimate(
-    document: object, cluster_document: object = None, *, timeline: bool = True
+    document: object, cluster_document: object = None, *, timeline: bool = True, runtime: Runtime = "loom"
 ) -> tuple[Estimate, dict]:
     """The estimate of `document` with the planning defaults, and the defaults it took."""
     completed, filled = with_planning_defaults(document, cluster_document)
-    return estimate(completed, cluster_document, timeline=timeline), filled
+    return estimate(completed, cluster_document, timeline=timeline, runtime=runtime), filled
 
 
 def is_missing(document: dict, path: str) -> bool:

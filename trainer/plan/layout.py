@@ -14,8 +14,8 @@ ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 MATMUL_INPUT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 # How the trainer's mesh places ranks, innermost first (trainer/parallel/mesh.py).
 PLACEMENT = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
-RUNTIMES = ("loom", "megatron")
-Runtime = Literal["loom", "megatron"]
+RUNTIMES = ("loom", "megatron", "torchtitan")
+Runtime = Literal["loom", "megatron", "torchtitan"]
 Attention = Literal["flash", "unfused"]
 
 
@@ -23,8 +23,8 @@ Attention = Literal["flash", "unfused"]
 class Layout:
     config: RunConfig
     runtime: Runtime = "loom"
-    """Whose training code runs the layout: loom's trainer, or Megatron-LM (what the planner exports to). They
-    differ in what each overlaps, recomputes and keeps."""
+    """Whose training code runs the layout: loom's trainer, or one the planner exports to (Megatron-LM,
+    torchtitan). They differ in what each fuses, overlaps, recomputes and keeps."""
     attention: Attention = "flash"
     """How the runtime computes attention: one fused flash kernel (loom's SDPA, Megatron-LM since 2023), or
     unfused as Megatron-LM did in 2021–2022: QKᵀ and AV as batched products around a softmax and dropout that
@@ -106,5 +106,6 @@ class Layout:
 
     @property
     def fused_loss(self) -> bool:
-        """The chunked cross-entropy (no full logits) runs without tp and pp (trainer/parallel/apply.py)."""
-        return self.parallel.tp == 1 and self.parallel.pp == 1
+        """loom's chunked cross-entropy (no full logits) runs without tp and pp (trainer/parallel/apply.py);
+        torchtitan computes the loss on the whole logits, cast to fp32."""
+        return self.runtime == "loom" and self.parallel.tp == 1 and self.parallel.pp == 1

@@ -31,6 +31,7 @@ class SearchIn(Body):
 class ExportIn(Body):
     config: Any = None
     format: str | None = None
+    cluster: Any = None
 
 
 class ExportWarning(Schema):
@@ -38,11 +39,21 @@ class ExportWarning(Schema):
     message: str
 
 
+class RuntimeEstimate(Schema):
+    runtime: str
+    step_s: float
+    tokens_per_s: float
+    peak_bytes: float
+    fits: bool
+
+
 class ExportOut(Schema):
     format: str
     text: str
     warnings: list[ExportWarning]
     defaults: dict[str, Any]
+    estimates: dict[str, RuntimeEstimate] | None = None
+    """With a cluster: the layout priced for loom's trainer and for the trainer it is exported to."""
 
 
 def answer(compute):
@@ -86,5 +97,6 @@ def traffic(request, body: LayoutIn):
 @router.post("/export", response={200: ExportOut, 400: FieldErrors})
 def export(request, body: ExportIn):
     """The layout as a torchtitan TOML file or Megatron-LM command-line arguments, and warnings
-    ({field, message}) about what it carries over as is (a demo learning rate)."""
-    return answer(lambda: services.export_layout(body.config, body.format))
+    ({field, message}) about what it carries over as is (a demo learning rate); with a cluster, its step
+    time and peak memory priced for loom's trainer and for the one it is exported to."""
+    return answer(lambda: services.export_layout(body.config, body.format, body.cluster))

@@ -8,8 +8,10 @@ Every function raises ConfigError whose `errors` are keyed by the field to chang
 from trainer.config import PIPELINE_SCHEDULES, ConfigError, RunConfig, parse_config
 from trainer.plan.defaults import planned_estimate, with_planning_defaults
 from trainer.plan.estimate import estimate, parse_plan
+from trainer.plan.estimate import estimate_layout as estimate_layout_for
 from trainer.plan.export import EXPORTERS, export_job
 from trainer.plan.hardware import GPU_TYPES, ClusterSpec
+from trainer.plan.layout import Layout
 from trainer.plan.presets import MODEL_PRESETS, preset_model, with_preset
 from trainer.plan.search import search
 from trainer.plan.traffic import predicted_matrix
@@ -96,9 +98,10 @@ def predicted_traffic(document, cluster) -> dict:
     return {"world_size": matrix.world_size, "bytes": matrix.bytes, "by_kind": matrix.by_kind}
 
 
-def export_layout(document, export_format) -> dict:
+def export_layout(document, export_format, cluster=None) -> dict:
     """The layout as another trainer's configuration (a torchtitan TOML file or Megatron-LM arguments),
-    with warnings about what it carries over as is."""
+    with warnings about what it carries over as is; with a cluster, the layout's step time and peak memory
+    priced for that trainer (which fuses, overlaps, recomputes and keeps otherwise than loom's) beside loom's."""
     errors = {} if export_format in EXPORTERS else {"format": f"must be one of {list(EXPORTERS)}"}
     config = None
     completed, defaults = with_planning_defaults(document)
@@ -106,9 +109,29 @@ def export_layout(document, export_format) -> dict:
         config = parse_layout(completed)
     except ConfigError as error:
         errors |= error.errors
+    try:
+        cluster_spec = parse_plan({}, cluster)[1] if cluster is not None else None
+    except ConfigError as error:
+        errors |= error.errors
     if errors:
         raise ConfigError(errors)
-    return {**export_job(config, export_format), "defaults": defaults}
+    answer = {**export_job(config, export_format), "defaults": defaults}
+    if cluster_spec is not None:
+        answer["estimates"] = {
+            runtime: runtime_estimate(config, cluster_spec, runtime) for runtime in ("loom", export_format)
+        }
+    return answer
+
+
+def runtime_estimate(config: RunConfig, cluster: ClusterSpec, runtime: str) -> dict:
+    result = estimate_layout_for(Layout(config, runtime), cluster, timeline=False)
+    return {
+        "runtime": runtime,
+        "step_s": result.step_s,
+        "tokens_per_s": result.tokens_per_s,
+        "peak_bytes": result.peak.reserved_bytes,
+        "fits": result.fits,
+    }
 
 
 def parse_layout(document) -> RunConfig:
