@@ -198,11 +198,11 @@ MIB = 2**20
 
 
 def test_a_layout_peaking_just_under_the_hbm_does_not_fit():
-    """Llama 3 8B cut to 26 layers, no recompute, 2 × 8,192 tokens a rank: the allocator peaks at 79.0
+    """Llama 3 8B cut to 27 layers, no recompute, 2 × 8,320 tokens a rank: the allocator peaks at 79.2
     GiB, under the H100's 80 GiB and the 79.6 GiB its driver exposes, but the CUDA context and NCCL's
     buffers need their share too."""
     document = {
-        "model": {"preset": "llama3-8b", "layers": 26},
+        "model": {"preset": "llama3-8b", "layers": 27, "seq_len": 8320},
         "parallel": {"dp_shard": 8},
         "compute": {"precision": "bf16", "recompute": "none"},
         "data": {"micro_batch": 2},
@@ -210,7 +210,7 @@ def test_a_layout_peaking_just_under_the_hbm_does_not_fit():
     result = estimate(document, {"gpu": "H100-SXM"}, timeline=False)
     memory = result.to_json(timeline=False)["memory"]
     assert memory["capacity_bytes"] == 81_559 * MIB
-    assert 78.9 * GIB < memory["peak_bytes"] < memory["capacity_bytes"] < 80 * GIB
+    assert 79.1 * GIB < memory["peak_bytes"] < memory["capacity_bytes"] < 80 * GIB
     assert memory["usable_bytes"] < memory["peak_bytes"]
     assert memory["headroom_bytes"] == memory["usable_bytes"] - memory["peak_bytes"] < 0
     assert memory["fits"] is False

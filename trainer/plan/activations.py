@@ -10,9 +10,14 @@ The terms follow Korthikanti et al., "Reducing Activation Recomputation in Large
   with sequence parallel, 34sbh/t with selective recompute, 2sbh/t with full recompute.
 - "loom": what trainer/ runs: RMSNorm, SwiGLU, grouped-query flash attention through
   scaled_dot_product_attention (keeps q, k, v, its output and an fp32 logsumexp per row and head,
-  never the s² scores), no dropout; DTensor's sequence parallel keeps the all-gathered input of
-  the column-parallel projections; "selective" recomputes the attention sub-block (keeping its
-  input), "full" whole blocks (keeping each block's input).
+  never the s² scores; the output projection reads that output's own storage), no dropout; DTensor's
+  sequence parallel keeps the all-gathered input of the column-parallel projections; "selective"
+  recomputes the attention sub-block (keeping its input), "full" whole blocks (keeping each block's
+  input). The fused kernels keep a norm's input and statistics and SwiGLU's gate and up; where the
+  trainer runs torch's ops instead (tensor or context parallel, or compute.kernels torch) autograd
+  keeps their fp32 intermediates: a norm's fp32 input and normalised output, SwiGLU's fp32 gate, up
+  and silu(gate). tests/trainer/test_activation_memory.py measures these against the trainer's own
+  saved tensors, layer by layer.
 
 s is the sequence a rank holds (seq_len / cp), b the microbatch in sequences, h the hidden size,
 a heads, f the feed-forward size, t the tensor-parallel degree.
@@ -69,16 +74,25 @@ class Shape:
 
 
 def loom_layer(
-    shape: Shape, model: ModelConfig, activation_bytes: float, matmul_input_bytes: float, gathered_seq: int
+    shape: Shape,
+    model: ModelConfig,
+    activation_bytes: float,
+    matmul_input_bytes: float,
+    gathered_seq: int,
+    fused_kernels: bool = True,
+    residual_bytes: float | None = None,
 ) -> list[SavedTensor]:
     """One block of trainer/model.py. Keys and values are gathered over the whole sequence under
-    context parallelism (gathered_seq = seq_len), so those two terms do not shrink with cp."""
+    context parallelism (gathered_seq = seq_len), so those two terms do not shrink with cp.
+    residual_bytes: the residual stream's element size, where it differs from the activations' (under
+    autocast the embedding's output, and so the stream the blocks add to, stays fp32)."""
     s, b, h, a, kv, f, k = shape.s, shape.b, shape.h, shape.a, shape.kv, shape.f, shape.top_k
     sbh, e, m = s * b * h, activation_bytes, matmul_input_bytes
+    r = residual_bytes or e
     tensors = [
-        SavedTensor("attention norm input", "sbh", sbh, e, False, True, UNLESS_FULL),
+        *norm_tensors("attention", sbh, r, fused_kernels),
         SavedTensor("norm statistics (fp32)", "2sb", 2 * s * b, 4, False, True, UNLESS_FULL),
-        SavedTensor("attention input, kept for recompute", "sbh", sbh, e, False, True, ONLY_SELECTIVE),
+        SavedTensor("attention input, kept for recompute", "sbh", sbh, r, False, True, ONLY_SELECTIVE),
         SavedTensor("q/k/v projection input", "sbh", sbh, m, False, False, UNLESS_RECOMPUTED),
         SavedTensor("queries after RoPE", "sbh", sbh, e, True, False, UNLESS_RECOMPUTED),
         SavedTensor(
@@ -86,8 +100,11 @@ def loom_layer(
         ),
         SavedTensor("attention output", "sbh", sbh, e, True, False, UNLESS_RECOMPUTED),
         SavedTensor("softmax logsumexp (fp32)", "sba", s * b * a, 4, True, False, UNLESS_RECOMPUTED),
-        SavedTensor("output-projection input", "sbh", sbh, m, True, False, UNLESS_RECOMPUTED),
-        SavedTensor("MLP norm input", "sbh", sbh, e, False, True, UNLESS_FULL),
+    ]
+    if m != e:
+        tensors.append(SavedTensor("output-projection input (cast)", "sbh", sbh, m, True, False, UNLESS_RECOMPUTED))
+    tensors += [
+        *norm_tensors("MLP", sbh, r, fused_kernels),
         SavedTensor("MLP input", "sbh", sbh, m, False, False, UNLESS_FULL),
     ]
     if model.experts > 1:
@@ -95,15 +112,30 @@ def loom_layer(
             SavedTensor("router probabilities (fp32)", "sbE", s * b * model.experts, 4, False, False, UNLESS_FULL)
         )
         tensors.append(SavedTensor("tokens dispatched to experts", "k·sbh", k * sbh, m, False, False, UNLESS_FULL))
-    if model.mlp == "swiglu":
+    if model.mlp == "swiglu" and fused_kernels:
         tensors.append(
             SavedTensor("gate and up projections", "2·k·sbf", 2 * k * s * b * f, e, True, False, UNLESS_FULL)
+        )
+    elif model.mlp == "swiglu":
+        tensors.append(
+            SavedTensor("gate, up and silu(gate) (fp32)", "3·k·sbf", 3 * k * s * b * f, 4, True, False, UNLESS_FULL)
         )
     else:
         tensors.append(SavedTensor("GELU input", "k·sbf", k * s * b * f, e, True, False, UNLESS_FULL))
     tensors.append(SavedTensor("down-projection input", "k·sbf", k * s * b * f, m, True, False, UNLESS_FULL))
-    tensors.append(SavedTensor("block input, kept for recompute", "sbh", sbh, e, False, True, ONLY_FULL))
+    tensors.append(SavedTensor("block input, kept for recompute", "sbh", sbh, r, False, True, ONLY_FULL))
     return tensors
+
+
+def norm_tensors(which: str, sbh: float, activation_bytes: float, fused_kernels: bool) -> list[SavedTensor]:
+    """What an RMSNorm keeps besides its statistics: the fused kernel its input; torch's ops the input in
+    fp32 and the normalised output before the weight."""
+    if fused_kernels:
+        return [SavedTensor(f"{which} norm input", "sbh", sbh, activation_bytes, False, True, UNLESS_FULL)]
+    return [
+        SavedTensor(f"{which} norm input (fp32)", "sbh", sbh, 4, False, True, UNLESS_FULL),
+        SavedTensor(f"{which} norm normalised (fp32)", "sbh", sbh, 4, False, True, UNLESS_FULL),
+    ]
 
 
 def megatron_layer(shape: Shape) -> list[SavedTensor]:

@@ -105,6 +105,24 @@ class Layout:
         return self.precision == "fp32" or self.parallel.zero in (0, 3)
 
     @property
+    def residual_bytes(self) -> int:
+        """The residual stream's element size. loom's trainer runs bf16 as autocast where FSDP does not cast
+        the parameters (trainer/parallel/apply.py): the embedding then returns fp32, and the stream the
+        blocks add to stays fp32."""
+        autocast = self.runtime == "loom" and self.precision == "bf16" and not self.parallel.fully_shards
+        return 4 if autocast else self.activation_bytes
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether the norms and SwiGLU run as fused kernels: in Megatron-LM (Transformer Engine) always; in
+        loom's trainer without tensor or context parallelism unless compute.kernels says torch
+        (trainer/parallel/apply.py); torchtitan runs torch's ops."""
+        if self.runtime == "megatron":
+            return True
+        parallel = self.parallel
+        return self.runtime == "loom" and self.config.compute.kernels != "torch" and parallel.tp == parallel.cp == 1
+
+    @property
     def fused_loss(self) -> bool:
         """loom's chunked cross-entropy (no full logits) runs without tp and pp (trainer/parallel/apply.py);
         torchtitan computes the loss on the whole logits, cast to fp32."""

@@ -227,7 +227,15 @@ def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
     last stage's logits."""
     model, parallel = layout.model, layout.parallel
     shape = Shape.of(model, layout.local_seq, layout.micro_seqs)
-    tensors = loom_layer(shape, model, layout.activation_bytes, layout.matmul_input_bytes, model.seq_len)
+    tensors = loom_layer(
+        shape,
+        model,
+        layout.activation_bytes,
+        layout.matmul_input_bytes,
+        model.seq_len,
+        layout.fused_kernels,
+        layout.residual_bytes,
+    )
     recompute, tp, sp = layout.config.compute.recompute, parallel.tp, parallel.sequence_parallel and parallel.tp > 1
     stages = stages_of_rank(parallel, pp_rank)
     layers = held_layers(model, layout.total_stages, stages)

@@ -279,6 +279,15 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def fully_shards(candidate: Candidate) -> bool:
+    """ParallelConfig.fully_shards of the candidate's layout, without building it."""
+    data = candidate.data
+    if data.dp_replicate > 1:
+        world = candidate.tp * candidate.cp * candidate.pp * data.dp_replicate * data.dp_shard
+        return world != data.dp_replicate
+    return data.dp_shard * candidate.cp > 1
+
+
 @dataclass
 class SearchSpace:
     """The validated inputs, and the choices along each axis that trainer/config.py accepts.
@@ -594,15 +603,19 @@ class Pricer:
     def _fitting_data_choices(self, candidate: Candidate, states) -> tuple[list[tuple[float, float, Candidate]], list]:
         """(peak bytes, lower bound on the step time, layout) for each data choice that fits, and
         the states of those choices."""
-        activations = self._activation_bytes(candidate)
         bubble = self._bubble(candidate)
         tp, cp, pp, pipeline, _, recompute, micro_batch = candidate
         busiest_by_ep: dict[int, float] = {}
+        # The residual stream's dtype, and so the activations, depend on whether FSDP holds the parameters.
+        activations_by_sharding: dict[bool, list[float]] = {}
         fits, kept, leanest = [], [], None
         for state in states:
             choice, state_bytes, optimizer_s = state
             layout = Candidate(tp, cp, pp, pipeline, choice, recompute, micro_batch)
-            peak = reserved_bytes(max(map(add, state_bytes, activations)))
+            sharded = fully_shards(layout)
+            if sharded not in activations_by_sharding:
+                activations_by_sharding[sharded] = self._activation_bytes(layout)
+            peak = reserved_bytes(max(map(add, state_bytes, activations_by_sharding[sharded])))
             device = peak + self._outside_allocator_bytes(layout)
             if device <= self.capacity:
                 if choice.ep not in busiest_by_ep:
@@ -664,7 +677,8 @@ class Pricer:
     def _activation_bytes(self, candidate: Candidate) -> list[float]:
         """`activation_terms` + `pipeline_buffer_term` per pipeline rank: a microbatch keeps b times
         what one sequence keeps, and a rank's activations depend on it only through its layers,
-        whether it computes the loss and its microbatches in flight."""
+        whether it computes the loss and its microbatches in flight (and, for the residual stream's
+        dtype, whether FSDP holds the parameters)."""
         tp, cp, pp, pipeline, _, recompute, micro_batch = candidate
         one_sequence = None
         buffers_key = (pp, tp, cp, pipeline.stages_per_rank)
@@ -672,7 +686,7 @@ class Pricer:
             one_sequence = self._layout(candidate._replace(micro_batch=pipeline.microbatches))
             self._buffers[buffers_key] = total(pipeline_buffer_term(one_sequence))
         buffers = self._buffers[buffers_key]
-        same = (tp, cp, recompute, tp == pp == 1)
+        same = (tp, cp, recompute, tp == pp == 1, fully_shards(candidate))
         per_rank = []
         for rank, held in enumerate(self._held_by_rank(candidate)):
             key = same + held

@@ -1,0 +1,102 @@
+"""What one block of loom's model keeps for backward, measured: run as a script, it builds the model at one and
+at two layers in each layout, runs a forward under saved-tensor hooks and prints, as JSON, the bytes the second
+layer added: every storage autograd saved (parameters aside) plus the inputs activation checkpoints hold.
+
+Tensor parallelism runs in one process on a fake process group of two ranks: the collectives move nothing, but
+every tensor has the shape, dtype and placement rank 0 of a real run would give it.
+
+    python tests/trainer/saved_activations.py '[[1, false, "none"], [2, true, "full"]]'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+from trainer.config import RunConfig, parse_config  # noqa: E402
+from trainer.kernels import TORCH_KERNELS, kernels_for  # noqa: E402
+from trainer.model import Transformer  # noqa: E402
+from trainer.parallel.mesh import ParallelMesh  # noqa: E402
+from trainer.parallel.recompute import apply_recompute  # noqa: E402
+from trainer.parallel.tensor import apply_tensor_parallel  # noqa: E402
+
+MODEL = {"dim": 64, "heads": 4, "kv_heads": 2, "ffn": 160, "vocab": 256, "seq_len": 32}
+MICRO_BATCH = 2
+
+
+def layout_config(tp: int, sequence_parallel: bool, recompute: str, layers: int) -> RunConfig:
+    document = {
+        "model": MODEL | {"layers": layers},
+        "parallel": {"tp": tp, "sequence_parallel": sequence_parallel},
+        "compute": {"precision": "fp32", "recompute": recompute},
+        "data": {"micro_batch": MICRO_BATCH},
+    }
+    return parse_config(document, runnable=False)
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[object, int]:
+    """A key for the memory a tensor views, and that memory's size. A fake collective's output has no real
+    storage: it stands for itself."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    try:
+        storage = local.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except RuntimeError:
+        return ("tensor", id(local)), local.numel() * local.element_size()
+
+
+def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, layers: int) -> int:
+    config = layout_config(tp, sequence_parallel, recompute, layers)
+    torch.manual_seed(0)
+    model = Transformer(config.model)
+    if tp > 1:
+        # As trainer/parallel/apply.py does: DTensor activations take torch's ops.
+        model.use_kernels(TORCH_KERNELS)
+        apply_tensor_parallel(model, ParallelMesh(config.parallel, tp, "cpu")["tp"], sequence_parallel, False)
+    else:
+        model.use_kernels(kernels_for("triton", torch.device("cpu")))
+    apply_recompute(model, recompute)
+    parameters = {storage_key(parameter)[0] for parameter in model.parameters()}
+    kept: dict[object, int] = {}
+
+    def keep(tensor: torch.Tensor) -> None:
+        key, size = storage_key(tensor)
+        if key not in parameters and size:
+            kept[key] = size
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        keep(tensor)
+        return tensor
+
+    def checkpoint_inputs(module, args):
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                keep(value)
+
+    for module in model.modules():
+        if type(module).__name__ == "CheckpointWrapper":
+            module.register_forward_pre_hook(checkpoint_inputs)
+    tokens = torch.randint(0, config.model.vocab, (MICRO_BATCH, config.model.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(tokens)
+    return sum(kept.values())
+
+
+def main(layouts: list[tuple[int, bool, str]]) -> dict[str, int]:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        return {json.dumps(layout): kept_bytes(*layout, layers=2) - kept_bytes(*layout, layers=1) for layout in layouts}
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    print(json.dumps(main([tuple(layout) for layout in json.loads(sys.argv[1])])))

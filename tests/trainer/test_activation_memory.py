@@ -1,0 +1,51 @@
+"""The planner's activation memory, tensor by tensor (trainer/plan/activations.py), against what loom's model
+really keeps for backward in each layout: byte for byte, per layer, in fp32."""
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.trainer.saved_activations import MICRO_BATCH, layout_config
+from tests.trainer.torchrun import ROOT
+from trainer.plan.activations import Shape, layer_bytes, loom_layer
+from trainer.plan.layout import Layout
+
+LAYOUTS = [
+    (tp, sequence_parallel, recompute)
+    for (tp, sequence_parallel), recompute in itertools.product(
+        [(1, False), (2, False), (2, True)], ["none", "selective", "full"]
+    )
+]
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, int]:
+    finished = subprocess.run(
+        [sys.executable, "tests/trainer/saved_activations.py", json.dumps(LAYOUTS)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return json.loads(finished.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize(("tp", "sequence_parallel", "recompute"), LAYOUTS)
+def test_the_planner_counts_what_a_layer_keeps(measured, tp, sequence_parallel, recompute):
+    layout = Layout(layout_config(tp, sequence_parallel, recompute, layers=1))
+    model = layout.model
+    tensors = loom_layer(
+        Shape.of(model, model.seq_len, MICRO_BATCH),
+        model,
+        layout.activation_bytes,
+        layout.matmul_input_bytes,
+        model.seq_len,
+        layout.fused_kernels,
+        layout.residual_bytes,
+    )
+    planned = layer_bytes(tensors, recompute, tp, sequence_parallel and tp > 1)
+    assert planned == measured[json.dumps([tp, sequence_parallel, recompute])]
