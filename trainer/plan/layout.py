@@ -114,13 +114,14 @@ class Layout:
 
     @property
     def fused_kernels(self) -> bool:
-        """Whether the norms and SwiGLU run as fused kernels: in Megatron-LM (Transformer Engine) always; in
-        loom's trainer without tensor or context parallelism unless compute.kernels says torch
-        (trainer/parallel/apply.py); torchtitan runs torch's ops."""
-        if self.runtime == "megatron":
+        """Whether the norms and SwiGLU keep only what fused kernels keep (a norm's input and statistics, the
+        gate and up): Megatron-LM (Transformer Engine) and torchtitan (PyTorch's RMSNorm, bf16 parameters
+        under FSDP) always; loom's trainer without tensor or context parallelism unless compute.kernels says
+        torch (trainer/parallel/apply.py): its torch ops keep fp32 intermediates."""
+        if self.runtime != "loom":
             return True
         parallel = self.parallel
-        return self.runtime == "loom" and self.config.compute.kernels != "torch" and parallel.tp == parallel.cp == 1
+        return self.config.compute.kernels != "torch" and parallel.tp == parallel.cp == 1
 
     @property
     def fused_loss(self) -> bool:
