@@ -86,23 +86,29 @@ def bf16_sweep(device, hidden_sizes, tp_degrees, token_counts, peak, deadline: f
                 for name, m, k, n in layer_products(hidden, tp, tokens):
                     a = torch.randn(m, k, device=device, dtype=dtype)
                     b = torch.randn(k, n, device=device, dtype=dtype)
-                    flops = 2.0 * m * k * n
-                    seconds = time_s(partial(torch.mm, a, b), flops, device, peak)
-                    rows.append(
-                        {
-                            "hidden": hidden,
-                            "tp": tp,
-                            "tokens": tokens,
-                            "product": name,
-                            "m": m,
-                            "k": k,
-                            "n": n,
-                            "seconds": seconds,
-                            "flops_per_s": flops / seconds,
-                            "efficiency": flops / seconds / peak,
-                        }
-                    )
+                    run = partial(torch.mm, a, b)
+                    rows.append(timed_product(run, (hidden, tp, tokens, name), (m, k, n), device, peak))
     return rows
+
+
+def timed_product(run, where: tuple, shape: tuple[int, int, int], device: torch.device, peak: float) -> dict:
+    """One product timed, with where in the sweep it sits (hidden, tp, tokens, product) and its rate."""
+    hidden, tp, tokens, name = where
+    m, k, n = shape
+    flops = 2.0 * m * k * n
+    seconds = time_s(run, flops, device, peak)
+    return {
+        "hidden": hidden,
+        "tp": tp,
+        "tokens": tokens,
+        "product": name,
+        "m": m,
+        "k": k,
+        "n": n,
+        "seconds": seconds,
+        "flops_per_s": flops / seconds,
+        "efficiency": flops / seconds / peak,
+    }
 
 
 def fp8_sweep(device, hidden_sizes, tp_degrees, token_counts, peak_fp8, deadline: float) -> list[dict]:
@@ -121,27 +127,8 @@ def fp8_sweep(device, hidden_sizes, tp_degrees, token_counts, peak_fp8, deadline
                     a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
                     # _scaled_mm wants the second operand column-major.
                     b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
-                    flops = 2.0 * m * k * n
-                    seconds = time_s(
-                        partial(torch._scaled_mm, a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                        flops,
-                        device,
-                        peak_fp8,
-                    )
-                    rows.append(
-                        {
-                            "hidden": hidden,
-                            "tp": tp,
-                            "tokens": tokens,
-                            "product": name,
-                            "m": m,
-                            "k": k,
-                            "n": n,
-                            "seconds": seconds,
-                            "flops_per_s": flops / seconds,
-                            "efficiency": flops / seconds / peak_fp8,
-                        }
-                    )
+                    run = partial(torch._scaled_mm, a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+                    rows.append(timed_product(run, (hidden, tp, tokens, name), (m, k, n), device, peak_fp8))
     return rows
 
 

@@ -10,8 +10,9 @@ import pytest
 
 from tests.trainer.saved_activations import MICRO_BATCH, layout_config
 from tests.trainer.torchrun import ROOT
-from trainer.plan.activations import Shape, layer_bytes, loom_layer
+from trainer.plan.activations import Shape, layer_bytes
 from trainer.plan.layout import Layout
+from trainer.plan.memory import layer_tensors
 
 LAYOUTS = [
     (tp, sequence_parallel, recompute)
@@ -37,15 +38,6 @@ def measured() -> dict[str, int]:
 @pytest.mark.parametrize(("tp", "sequence_parallel", "recompute"), LAYOUTS)
 def test_the_planner_counts_what_a_layer_keeps(measured, tp, sequence_parallel, recompute):
     layout = Layout(layout_config(tp, sequence_parallel, recompute, layers=1))
-    model = layout.model
-    tensors = loom_layer(
-        Shape.of(model, model.seq_len, MICRO_BATCH),
-        model,
-        layout.activation_bytes,
-        layout.matmul_input_bytes,
-        model.seq_len,
-        layout.fused_kernels,
-        layout.residual_bytes,
-    )
+    tensors = layer_tensors(layout, Shape.of(layout.model, layout.model.seq_len, MICRO_BATCH))
     planned = layer_bytes(tensors, recompute, tp, sequence_parallel and tp > 1)
     assert planned == measured[json.dumps([tp, sequence_parallel, recompute])]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.plan.activations import Shape, kept, layer_bytes, loom_layer
+from trainer.plan.activations import SavedTensor, Shape, kept, layer_bytes, loom_layer
 from trainer.plan.layout import PLACEMENT, Layout
 from trainer.plan.parameters import ParameterTensor, held_layers, local_elements, rank_holding, stages_of_rank
 from trainer.plan.terms import Term, count, total
@@ -222,20 +222,25 @@ def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[
     return terms
 
 
+def layer_tensors(layout: Layout, shape: Shape) -> list[SavedTensor]:
+    """What one block keeps for backward in this layout, for a rank holding `shape`."""
+    return loom_layer(
+        shape,
+        layout.model,
+        layout.activation_bytes,
+        layout.matmul_input_bytes,
+        layout.model.seq_len,
+        layout.fused_kernels,
+        layout.residual_bytes,
+    )
+
+
 def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
     """Kept activations of every layer the rank holds, times the microbatches in flight, plus the
     last stage's logits."""
     model, parallel = layout.model, layout.parallel
     shape = Shape.of(model, layout.local_seq, layout.micro_seqs)
-    tensors = loom_layer(
-        shape,
-        model,
-        layout.activation_bytes,
-        layout.matmul_input_bytes,
-        model.seq_len,
-        layout.fused_kernels,
-        layout.residual_bytes,
-    )
+    tensors = layer_tensors(layout, shape)
     recompute, tp, sp = layout.config.compute.recompute, parallel.tp, parallel.sequence_parallel and parallel.tp > 1
     stages = stages_of_rank(parallel, pp_rank)
     layers = held_layers(model, layout.total_stages, stages)
