@@ -243,3 +243,23 @@ def test_usable_memory_is_the_gpu_less_the_cuda_context_and_nccls_buffers_per_co
     nccl = next(term for term in wide.outside_allocator if term.name == "NCCL buffers")
     assert nccl.value == 5 * outside["NCCL buffers"]
     assert wide.usable_bytes == memory["capacity_bytes"] - 0.75 * GIB - nccl.value
+
+
+def test_one_replica_holds_only_the_gradients_backward_has_made_at_its_peak():
+    def terms_of(parallel, micro_batch):
+        document = {"model": SMALL_MODEL, "parallel": parallel, "data": {"micro_batch": micro_batch}}
+        cluster = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 2}
+        return {term.name: term.value for term in estimate(document, cluster, timeline=False).peak.terms}
+
+    replicated = terms_of({"dp_replicate": 2}, 8)
+    for micro_batch in (8, 1):
+        alone = terms_of({}, micro_batch)
+        every_gradient = replicated["gradients"]
+        # Backward frees the activations, the loss's buffers and autocast's weight copies as it goes.
+        freed = sum(
+            alone.get(name, 0) for name in ("activations", "logits and cross-entropy", "bf16 weight copies (autocast)")
+        )
+        output = 4 * (SMALL_MODEL["vocab"] * SMALL_MODEL["dim"] + SMALL_MODEL["dim"])
+        assert alone["gradients"] == max(min(output, every_gradient), every_gradient - freed)
+    # DDP's buckets and their reduction keep every gradient.
+    assert replicated["gradients"] == 4 * total_parameters(parse_config({"model": SMALL_MODEL}, runnable=False).model)

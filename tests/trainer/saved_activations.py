@@ -1,15 +1,18 @@
 """What one block of loom's model keeps for backward, measured: run as a script, it builds the model at one and
 at two layers in each layout, runs a forward under saved-tensor hooks and prints, as JSON, the bytes the second
-layer added: every storage autograd saved (parameters aside) plus the inputs activation checkpoints hold.
+layer added: every storage autograd saved (parameters aside) plus the inputs activation checkpoints hold. In bf16
+the forward runs under autocast, as the trainer's does without FSDP; autocast's bf16 copies of the weights are
+left out (the planner counts them in a term of their own, for the whole model).
 
 Tensor parallelism runs in one process on a fake process group of two ranks: the collectives move nothing, but
 every tensor has the shape, dtype and placement rank 0 of a real run would give it.
 
-    python tests/trainer/saved_activations.py '[[1, false, "none"], [2, true, "full"]]'
+    python tests/trainer/saved_activations.py '[[1, false, "none", "fp32"], [2, true, "full", "bf16"]]'
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -28,15 +31,16 @@ from trainer.parallel.mesh import ParallelMesh  # noqa: E402
 from trainer.parallel.recompute import apply_recompute  # noqa: E402
 from trainer.parallel.tensor import apply_tensor_parallel  # noqa: E402
 
-MODEL = {"dim": 64, "heads": 4, "kv_heads": 2, "ffn": 160, "vocab": 256, "seq_len": 32}
+# Sizes no activation shares with a weight (tokens 80, not 48, 24 or 136), so a weight copy is told apart by shape.
+MODEL = {"dim": 48, "heads": 4, "kv_heads": 2, "ffn": 136, "vocab": 260, "seq_len": 40}
 MICRO_BATCH = 2
 
 
-def layout_config(tp: int, sequence_parallel: bool, recompute: str, layers: int) -> RunConfig:
+def layout_config(tp: int, sequence_parallel: bool, recompute: str, precision: str, layers: int) -> RunConfig:
     document = {
         "model": MODEL | {"layers": layers},
         "parallel": {"tp": tp, "sequence_parallel": sequence_parallel},
-        "compute": {"precision": "fp32", "recompute": recompute},
+        "compute": {"precision": precision, "recompute": recompute},
         "data": {"micro_batch": MICRO_BATCH},
     }
     return parse_config(document, runnable=False)
@@ -45,16 +49,20 @@ def layout_config(tp: int, sequence_parallel: bool, recompute: str, layers: int)
 def storage_key(tensor: torch.Tensor) -> tuple[object, int]:
     """A key for the memory a tensor views, and that memory's size. A fake collective's output has no real
     storage: it stands for itself."""
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    shard = local(tensor)
     try:
-        storage = local.untyped_storage()
+        storage = shard.untyped_storage()
         return storage.data_ptr(), storage.nbytes()
     except RuntimeError:
-        return ("tensor", id(local)), local.numel() * local.element_size()
+        return ("tensor", id(shard)), shard.numel() * shard.element_size()
 
 
-def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, layers: int) -> int:
-    config = layout_config(tp, sequence_parallel, recompute, layers)
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str, layers: int) -> int:
+    config = layout_config(tp, sequence_parallel, recompute, precision, layers)
     torch.manual_seed(0)
     model = Transformer(config.model)
     if tp > 1:
@@ -65,11 +73,16 @@ def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, layers: int) ->
         model.use_kernels(kernels_for("triton", torch.device("cpu")))
     apply_recompute(model, recompute)
     parameters = {storage_key(parameter)[0] for parameter in model.parameters()}
+    # A weight's autocast copy, or its transpose as a linear layer saves it.
+    weight_shapes = {
+        shape for p in model.parameters() for shape in (tuple(local(p).shape), tuple(local(p).shape)[::-1])
+    }
     kept: dict[object, int] = {}
 
     def keep(tensor: torch.Tensor) -> None:
         key, size = storage_key(tensor)
-        if key not in parameters and size:
+        weight_copy = tensor.dtype == torch.bfloat16 and tuple(local(tensor).shape) in weight_shapes
+        if key not in parameters and size and not weight_copy:
             kept[key] = size
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -85,12 +98,13 @@ def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, layers: int) ->
         if type(module).__name__ == "CheckpointWrapper":
             module.register_forward_pre_hook(checkpoint_inputs)
     tokens = torch.randint(0, config.model.vocab, (MICRO_BATCH, config.model.seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
         model(tokens)
     return sum(kept.values())
 
 
-def main(layouts: list[tuple[int, bool, str]]) -> dict[str, int]:
+def main(layouts: list[tuple[int, bool, str, str]]) -> dict[str, int]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         return {json.dumps(layout): kept_bytes(*layout, layers=2) - kept_bytes(*layout, layers=1) for layout in layouts}

@@ -1,5 +1,6 @@
 """The planner's activation memory, tensor by tensor (trainer/plan/activations.py), against what loom's model
-really keeps for backward in each layout: byte for byte, per layer, in fp32."""
+really keeps for backward in each layout: byte for byte, per layer, in fp32 and in bf16 under autocast (on CPU,
+whose autocast casts these ops as CUDA's does)."""
 
 import itertools
 import json
@@ -15,9 +16,9 @@ from trainer.plan.layout import Layout
 from trainer.plan.memory import layer_tensors
 
 LAYOUTS = [
-    (tp, sequence_parallel, recompute)
-    for (tp, sequence_parallel), recompute in itertools.product(
-        [(1, False), (2, False), (2, True)], ["none", "selective", "full"]
+    (tp, sequence_parallel, recompute, precision)
+    for (tp, sequence_parallel), recompute, precision in itertools.product(
+        [(1, False), (2, False), (2, True)], ["none", "selective", "full"], ["fp32", "bf16"]
     )
 ]
 
@@ -35,9 +36,9 @@ def measured() -> dict[str, int]:
     return json.loads(finished.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize(("tp", "sequence_parallel", "recompute"), LAYOUTS)
-def test_the_planner_counts_what_a_layer_keeps(measured, tp, sequence_parallel, recompute):
-    layout = Layout(layout_config(tp, sequence_parallel, recompute, layers=1))
+@pytest.mark.parametrize(("tp", "sequence_parallel", "recompute", "precision"), LAYOUTS)
+def test_the_planner_counts_what_a_layer_keeps(measured, tp, sequence_parallel, recompute, precision):
+    layout = Layout(layout_config(tp, sequence_parallel, recompute, precision, layers=1))
     tensors = layer_tensors(layout, Shape.of(layout.model, layout.model.seq_len, MICRO_BATCH))
     planned = layer_bytes(tensors, recompute, tp, sequence_parallel and tp > 1)
-    assert planned == measured[json.dumps([tp, sequence_parallel, recompute])]
+    assert planned == measured[json.dumps([tp, sequence_parallel, recompute, precision])]

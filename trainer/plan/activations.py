@@ -81,19 +81,32 @@ def loom_layer(
     gathered_seq: int,
     fused_kernels: bool = True,
     residual_bytes: float | None = None,
+    autocast: bool = False,
 ) -> list[SavedTensor]:
     """One block of trainer/model.py. Keys and values are gathered over the whole sequence under
     context parallelism (gathered_seq = seq_len), so those two terms do not shrink with cp.
     residual_bytes: the residual stream's element size, where it differs from the activations' (under
-    autocast the embedding's output, and so the stream the blocks add to, stays fp32)."""
+    autocast the embedding's output, and so the stream the blocks add to, stays fp32). Under autocast
+    each linear layer casts its input itself, so q, k and v keep three bf16 copies of theirs and the
+    MLP's gate and up two."""
     s, b, h, a, kv, f, k = shape.s, shape.b, shape.h, shape.a, shape.kv, shape.f, shape.top_k
     sbh, e, m = s * b * h, activation_bytes, matmul_input_bytes
     r = residual_bytes or e
+    qkv_copies = 3 if autocast else 1
+    mlp_copies = (2 if model.mlp == "swiglu" else 1) if autocast else 1
     tensors = [
         *norm_tensors("attention", sbh, r, fused_kernels),
         SavedTensor("norm statistics (fp32)", "2sb", 2 * s * b, 4, False, True, UNLESS_FULL),
         SavedTensor("attention input, kept for recompute", "sbh", sbh, r, False, True, ONLY_SELECTIVE),
-        SavedTensor("q/k/v projection input", "sbh", sbh, m, False, False, UNLESS_RECOMPUTED),
+        SavedTensor(
+            "q/k/v projection input" + (" (a cast each)" if autocast else ""),
+            f"{qkv_copies}·sbh" if autocast else "sbh",
+            qkv_copies * sbh,
+            m,
+            False,
+            False,
+            UNLESS_RECOMPUTED,
+        ),
         SavedTensor("queries after RoPE", "sbh", sbh, e, True, False, UNLESS_RECOMPUTED),
         SavedTensor(
             "keys and values after RoPE", "2·S·b·kv", 2 * gathered_seq * b * kv, e, True, False, UNLESS_RECOMPUTED
@@ -105,7 +118,15 @@ def loom_layer(
         tensors.append(SavedTensor("output-projection input (cast)", "sbh", sbh, m, True, False, UNLESS_RECOMPUTED))
     tensors += [
         *norm_tensors("MLP", sbh, r, fused_kernels),
-        SavedTensor("MLP input", "sbh", sbh, m, False, False, UNLESS_FULL),
+        SavedTensor(
+            "MLP input" + (" (a cast each)" if autocast else ""),
+            f"{mlp_copies}·sbh" if autocast else "sbh",
+            mlp_copies * sbh,
+            m,
+            False,
+            False,
+            UNLESS_FULL,
+        ),
     ]
     if model.experts > 1:
         tensors.append(

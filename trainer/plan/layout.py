@@ -105,12 +105,15 @@ class Layout:
         return self.precision == "fp32" or self.parallel.zero in (0, 3)
 
     @property
+    def autocast(self) -> bool:
+        """loom's trainer runs bf16 as autocast where FSDP does not cast the parameters (trainer/parallel/apply.py)."""
+        return self.runtime == "loom" and self.precision == "bf16" and not self.parallel.fully_shards
+
+    @property
     def residual_bytes(self) -> int:
-        """The residual stream's element size. loom's trainer runs bf16 as autocast where FSDP does not cast
-        the parameters (trainer/parallel/apply.py): the embedding then returns fp32, and the stream the
+        """The residual stream's element size: under autocast the embedding returns fp32, and the stream the
         blocks add to stays fp32."""
-        autocast = self.runtime == "loom" and self.precision == "bf16" and not self.parallel.fully_shards
-        return 4 if autocast else self.activation_bytes
+        return 4 if self.autocast else self.activation_bytes
 
     @property
     def fused_kernels(self) -> bool:

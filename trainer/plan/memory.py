@@ -232,6 +232,7 @@ def layer_tensors(layout: Layout, shape: Shape) -> list[SavedTensor]:
         layout.model.seq_len,
         layout.fused_kernels,
         layout.residual_bytes,
+        layout.autocast,
     )
 
 
@@ -362,7 +363,45 @@ def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
     terms += buffer_terms(layout, pp_rank, elements)
     terms += activation_terms(layout, pp_rank)
     terms += pipeline_buffer_term(layout)
+    if gradients_fill_as_activations_free(layout):
+        terms = gradients_at_the_peak(layout, terms)
     return RankMemory(pp_rank, stages_of_rank(layout.parallel, pp_rank), terms)
+
+
+# What backward frees as it goes, layer by layer, while the gradients arrive.
+FREED_IN_BACKWARD = ("activations", "logits and cross-entropy", "bf16 weight copies (autocast)")
+
+
+def gradients_fill_as_activations_free(layout: Layout) -> bool:
+    """One replica, one pass, one stage: nothing holds a gradient from before the step's backward (no
+    accumulation, no data-parallel buckets or FSDP reductions, no other microbatch's), so the blocks'
+    gradients appear only as backward frees their activations (measured on an H200: the peak runs one
+    gradient's size under activations + every gradient)."""
+    parallel = layout.parallel
+    return (
+        parallel.data_parallel_path == "none"
+        and parallel.zero == 0
+        and parallel.pp == 1
+        and layout.accumulation_steps == 1
+    )
+
+
+def gradients_at_the_peak(layout: Layout, terms: list[Term]) -> list[Term]:
+    """The gradients term as the peak holds it: the output layer's, the first backward computes, while every
+    activation is still held; or, where the gradients outweigh the activations, all of them at the end of
+    backward, the activations gone. Either way the terms sum to params + optimizer + max(A + G_out, G)."""
+    gradients = next(term for term in terms if term.name == "gradients")
+    freed = sum(term.value for term in terms if term.name in FREED_IN_BACKWARD)
+    model = layout.model
+    per_element = 4 if layout.keeps_fp32_master_parameters else 2
+    first = per_element * (model.vocab * model.dim + model.dim) / layout.parallel.tp
+    value = max(min(first, gradients.value), gradients.value - freed)
+    formula = (
+        f"one replica, one pass: backward frees each block's activations as its gradients appear, so the peak "
+        f"holds max(the output layer's gradients, all gradients − what backward frees) = "
+        f"max({count(round(first))}, {count(round(gradients.value))} − {count(round(freed))}) B"
+    )
+    return [Term("gradients", value, formula) if term is gradients else term for term in terms]
 
 
 def memory_per_rank(layout: Layout) -> list[RankMemory]:
