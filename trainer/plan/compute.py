@@ -13,9 +13,9 @@ Megatron fuses q/k/v and the MLP's gate and up projections into one product each
 them apart), flash attention on its causal FLOPs, and the memory-bound passes around them (norms,
 residual additions, rotary embeddings, the MLP's activation, the loss's logits), which sequence
 parallelism splits over the tp ranks and which otherwise every tp rank repeats. fp32 runs its products
-without tensor cores (PyTorch leaves TF32 off; measured on an H200: a 350M model's fp32 step took 2.5
-times its bf16 step at a quarter of the tokens); fp8 runs the blocks' linear layers at the fp8 rate, plus their casts,
-and everything else as bf16.
+without tensor cores (PyTorch leaves TF32 off; measured on an H200: a 350M model's fp32 step took 2.4
+times its bf16 step at a quarter of the tokens); fp8 runs the blocks' linear layers at the fp8 rate, plus
+their casts, and everything else as bf16.
 """
 
 from __future__ import annotations
