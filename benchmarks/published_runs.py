@@ -55,8 +55,12 @@ GPT_VOCAB = 51_200
 LLAMA3_VOCAB = 128_256
 LLAMA2_VOCAB = 32_000
 TORCHTITAN_GPU = (
-    "cluster: H100-SXM; the source's GPUs are H100 with 96 GB HBM2e at 2.4 TB/s and a 500 W power limit, "
-    "which loom's GPU list lacks"
+    "cluster: H100-HBM2e, the source's H100s with 96 GB HBM2e at 2.4 TB/s; their 500 W power limit (the SXM's is "
+    "700 W) is not modelled"
+)
+TORCHTITAN_ATTENTION = (
+    "attention: FlashAttention-2, what PyTorch's SDPA ran on Hopper then (cuDNN attention was opt-in: "
+    "pytorch/pytorch#138649; torchtitan 9dec370 calls F.scaled_dot_product_attention)"
 )
 TORCHTITAN_MEMORY = (
     "memory: torchtitan's train.py logs torch.cuda's peak reserved bytes (max_reserved_gib), the maximum over "
@@ -420,7 +424,7 @@ def bridge_runs() -> list[PublishedRun]:
 
 TORCHTITAN_SEQ = "seq_len: 8192, the llama3 train_configs' value at the measured commit (the tables do not state it)"
 TORCHTITAN_VOCAB = f"vocab: {LLAMA3_VOCAB} (Llama 3's tokenizer: torchtitan's tiktoken.py adds 256 reserved tokens)"
-TORCHTITAN_ASSUMED = (TORCHTITAN_GPU, TORCHTITAN_SEQ, TORCHTITAN_VOCAB)
+TORCHTITAN_ASSUMED = (TORCHTITAN_GPU, TORCHTITAN_ATTENTION, TORCHTITAN_SEQ, TORCHTITAN_VOCAB)
 # Table 1 and 3 (Llama 3.1 8B, FSDP, local batch 2, selective AC) and Table 4 (70B, FSDP 32 × TP 8, local batch
 # 16, full AC, torch.compile + Float8): GPUs, technique, tokens/s/GPU, memory GiB.
 TORCHTITAN_FSDP_ROWS = (
@@ -458,7 +462,8 @@ def torchtitan_runs() -> list[PublishedRun]:
                 source=f"{TORCHTITAN_2412}; Table {table}, row {technique}",
                 fitting="held-out",
                 runtime="torchtitan",
-                cluster=cluster("H100-SXM", gpus),
+                attention="flash2",
+                cluster=cluster("H100-HBM2e", gpus),
                 document=torchtitan_document(
                     torchtitan_llama3("8B", 8192),
                     local_batch=2,
@@ -486,7 +491,8 @@ def torchtitan_runs() -> list[PublishedRun]:
                 source=f"{TORCHTITAN_2412}; Table 2, row FSDP {dp_shard}, CP {cp}",
                 fitting="held-out",
                 runtime="torchtitan",
-                cluster=cluster("H100-SXM", 8),
+                attention="flash2",
+                cluster=cluster("H100-HBM2e", 8),
                 document=torchtitan_document(
                     torchtitan_llama3("8B", seq_len),
                     local_batch=1,
@@ -499,7 +505,7 @@ def torchtitan_runs() -> list[PublishedRun]:
                 published_step_s=step,
                 step_from=how,
                 published_reserved_gib=memory,
-                assumed=(TORCHTITAN_GPU, TORCHTITAN_VOCAB, TORCHTITAN_MEMORY),
+                assumed=(TORCHTITAN_GPU, TORCHTITAN_ATTENTION, TORCHTITAN_VOCAB, TORCHTITAN_MEMORY),
             )
         )
     step, how = step_from_tokens(829, 512, 8192, 256)
@@ -509,7 +515,8 @@ def torchtitan_runs() -> list[PublishedRun]:
             source=f"{TORCHTITAN_2412}; Table 4, row 2D",
             fitting="held-out",
             runtime="torchtitan",
-            cluster=cluster("H100-SXM", 256),
+            attention="flash2",
+            cluster=cluster("H100-HBM2e", 256),
             document=torchtitan_document(
                 torchtitan_llama3("70B", 8192),
                 local_batch=16,
@@ -536,7 +543,8 @@ def torchtitan_runs() -> list[PublishedRun]:
                 ),
                 fitting="held-out",
                 runtime="torchtitan",
-                cluster=cluster("H100-SXM", gpus),
+                attention="flash2",
+                cluster=cluster("H100-HBM2e", gpus),
                 document=torchtitan_document(
                     torchtitan_llama3(flavor, 8192),
                     local_batch=local_batch,

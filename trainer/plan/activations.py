@@ -159,6 +159,29 @@ def norm_tensors(which: str, sbh: float, activation_bytes: float, fused_kernels:
     ]
 
 
+def torchtitan_per_op_layer(shape: Shape, model: ModelConfig, activation_bytes: float, reduce_scatters: bool):
+    """What torchtitan's per-op selective checkpointing (selective_ac_option "op") keeps of one block: its input,
+    attention's output and logsumexp, and the output of every other matrix product in forward order (q, v, the
+    MLP's first, with SwiGLU its down projection too; k, the output projection and the rest are recomputed), with
+    sequence parallel the reduce-scatters' outputs as well. Recompute "selective" under the torchtitan runtime."""
+    s, b, h, a, kv, f, k = shape.s, shape.b, shape.h, shape.a, shape.kv, shape.f, shape.top_k
+    sbh, e = s * b * h, activation_bytes
+    tensors = [
+        SavedTensor("block input, kept for recompute", "sbh", sbh, e, False, True, ONLY_SELECTIVE),
+        SavedTensor("q projection output", "sbh", sbh, e, True, False, ONLY_SELECTIVE),
+        SavedTensor("v projection output", "sb·kv", s * b * kv, e, True, False, ONLY_SELECTIVE),
+        SavedTensor("attention output", "sbh", sbh, e, True, False, ONLY_SELECTIVE),
+        SavedTensor("softmax logsumexp (fp32)", "sba", s * b * a, 4, True, False, ONLY_SELECTIVE),
+        SavedTensor("MLP's first projection output", "k·sbf", k * s * b * f, e, True, False, ONLY_SELECTIVE),
+    ]
+    if model.mlp == "swiglu":
+        # The down projection's output before the tensor-parallel reduction: whole on every tp rank.
+        tensors.append(SavedTensor("down projection output", "sbh", sbh, e, False, False, ONLY_SELECTIVE))
+    if reduce_scatters:
+        tensors.append(SavedTensor("reduce-scatter outputs", "2sbh", 2 * sbh, e, False, True, ONLY_SELECTIVE))
+    return tensors
+
+
 def megatron_layer(shape: Shape) -> list[SavedTensor]:
     """Korthikanti et al.'s GPT layer, 2-byte activations and 1-byte dropout masks (section 4.1)."""
     s, b, h, a = shape.s, shape.b, shape.h, shape.a

@@ -27,11 +27,11 @@ from trainer.plan.hardware import ClusterSpec
 from trainer.plan.kernel_time import attention_seconds, gemm_seconds, memory_seconds
 from trainer.plan.layout import Layout
 from trainer.plan.parameters import ParameterTensor, block_tensors, held_layers, held_tensors
+from trainer.plan.passes import block_pass_bytes
 
-# What one token moves through memory in a block's memory-bound passes, forward, in activations: a norm reads
-# and writes the hidden state, a residual addition reads two and writes one; backward moves about twice that.
-NORM_PASSES, RESIDUAL_PASSES = 2, 2
-NORM_ELEMENTS, RESIDUAL_ELEMENTS = 2, 3
+# The final norm reads and writes the hidden state (a block's passes: trainer.plan.passes); backward moves about
+# twice what forward does.
+NORM_ELEMENTS = 2
 BACKWARD_MEMORY_FACTOR = 2
 # The loss reads and writes fp32 logits about three times over forward and backward (one forward).
 LOSS_LOGIT_PASSES, LOSS_FORWARD_PASSES = 3, 1
@@ -189,11 +189,14 @@ class KernelPricer:
         return KernelTime(gemm_s=forward), KernelTime(gemm_s=input_grad), KernelTime(gemm_s=weight_grad)
 
     def memory(self, elements: float) -> KernelTime:
-        return KernelTime(memory_s=memory_seconds(elements * self.activation_bytes, self.gpu))
+        return self.memory_bytes(elements * self.activation_bytes)
+
+    def memory_bytes(self, bytes_moved: float) -> KernelTime:
+        return KernelTime(memory_s=memory_seconds(bytes_moved, self.gpu))
 
     def attention(self, causal_flops: float) -> KernelTime:
         """Flash attention runs in bf16; in fp32 SDPA falls back to kernels without tensor cores."""
-        seconds = attention_seconds(causal_flops, self.gpu)
+        seconds = attention_seconds(causal_flops, self.gpu, flash2=self.layout.attention == "flash2")
         if self.layout.precision == "fp32":
             seconds *= self.gpu.peak_bf16_flops / self.gpu.peak_fp32_flops
         return KernelTime(attention_s=seconds)
@@ -203,6 +206,12 @@ class KernelPricer:
 # writes the scores and dropout reads them and writes them and its 1-byte mask; backward, dropout reads the
 # gradient and the mask and writes, the softmax reads its output and the gradient and writes.
 UNFUSED_SCORE_BYTES_FORWARD, UNFUSED_SCORE_BYTES_BACKWARD = 9, 11
+
+
+def per_op_recomputed(products: list[Product]) -> list[Product]:
+    """The products torchtitan's per-op selective checkpointing re-runs: the second, fourth, … of a block's,
+    in forward order (its policy counts matrix products and saves the odd ones)."""
+    return products[1::2]
 
 
 def unfused_attention(pricer: KernelPricer, layout: Layout, tokens: float) -> tuple[KernelTime, KernelTime]:
@@ -235,16 +244,6 @@ def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> R
     forward_flops = tokens * (2 * matmul + 4 * attention)
     head_dim = model.dim // model.heads
     recompute = layout.config.compute.recompute
-    if recompute == "full":
-        repeated = forward_flops
-    elif recompute == "selective" and layout.runtime == "megatron":
-        repeated = tokens * 4 * attention
-    elif recompute == "selective":
-        attention_matmul = layers * (2 * model.dim * model.dim + 2 * model.dim * model.kv_heads * head_dim)
-        repeated = tokens * (2 * attention_matmul / tp + 4 * attention)
-    else:
-        repeated = 0.0
-
     pricer = KernelPricer(layout, cluster)
     block = block_tensors(model, "*")
     attention_products = local_products([t for t in block if ".attention." in t.name], layout, tokens)
@@ -257,12 +256,8 @@ def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> R
         core = pricer.attention(2 * tokens * model.seq_len * model.dim / tp)
         # Flash attention's backward recomputes the scores and runs 2.5 times the forward's products.
         core_backward = core * 2.5
-    spread = tp if parallel.sequence_parallel and tp > 1 else 1
-    hidden_passes = tokens / spread * model.dim * (NORM_PASSES * NORM_ELEMENTS + RESIDUAL_PASSES * RESIDUAL_ELEMENTS)
-    rotary = 2 * tokens * (model.heads + model.kv_heads) * head_dim / tp
-    activation = tokens * model.ffn * model.top_k / tp * (3 if model.mlp == "swiglu" else 2)
-    attention_memory = pricer.memory(tokens / spread * model.dim * NORM_ELEMENTS + rotary)
-    block_memory = pricer.memory(hidden_passes + rotary + activation)
+    passes = block_pass_bytes(layout)
+    block_memory = pricer.memory_bytes(tokens * passes.block)
 
     forward = (attention_linear[0] + mlp_linear[0] + core + block_memory) * layers
     input_gradients = (
@@ -270,16 +265,25 @@ def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> R
     ) * layers
     weight_gradients = (attention_linear[2] + mlp_linear[2]) * layers
     if recompute == "full":
-        recomputed = forward
+        repeated, recomputed = forward_flops, forward
     elif recompute == "selective" and layout.runtime == "megatron":
-        recomputed = core * layers
+        repeated, recomputed = tokens * 4 * attention, core * layers
+    elif recompute == "selective" and layout.runtime == "torchtitan":
+        # Per-op selective checkpointing keeps attention's output and every other matrix product's in forward
+        # order, and re-runs the rest: the other products and every memory-bound pass.
+        every_other = per_op_recomputed(attention_products + mlp_products)
+        repeated = layers * sum(2 * p.tokens * p.fan_in * p.fan_out * p.count for p in every_other)
+        recomputed = (pricer.linear(every_other, in_fp8=True)[0] + block_memory) * layers
     elif recompute == "selective":
-        recomputed = (attention_linear[0] + core + attention_memory) * layers
+        attention_matmul = layers * (2 * model.dim * model.dim + 2 * model.dim * model.kv_heads * head_dim)
+        repeated = tokens * (2 * attention_matmul / tp + 4 * attention)
+        recomputed = (attention_linear[0] + core + pricer.memory_bytes(tokens * passes.attention)) * layers
     else:
-        recomputed = KernelTime()
+        repeated, recomputed = 0.0, KernelTime()
     if holds_output:
         output = pricer.linear([Product("output", model.dim, model.vocab / tp, tokens)])
         logits = tokens * model.vocab / tp * 4 / pricer.activation_bytes
+        spread = tp if parallel.sequence_parallel and tp > 1 else 1
         final_norm = tokens / spread * model.dim * NORM_ELEMENTS
         forward += output[0] + pricer.memory(final_norm + logits * LOSS_FORWARD_PASSES)
         input_gradients += output[1] + pricer.memory(

@@ -322,7 +322,7 @@ def time_terms(
             passes * pass_compute_s,
             f"{per_pass}{m} microbatch(es) × (forward + backward"
             f"{' + recompute' if slowest.compute.recompute_flops else ''}) kernels of pipeline rank "
-            f"{slowest.pp_rank}: {kernel_split(slowest.compute.kernels)}",
+            f"{slowest.pp_rank}: {kernel_split(slowest.compute.kernels, layout)}",
         ),
         Term(
             "exposed tp/cp/ep communication",
@@ -353,11 +353,16 @@ def time_terms(
     return terms
 
 
-def kernel_split(kernels: KernelTime) -> str:
+ATTENTION_KERNELS = {"flash": "flash attention", "flash2": "FlashAttention-2", "unfused": "unfused attention"}
+
+
+def kernel_split(kernels: KernelTime, layout: Layout) -> str:
     """A microbatch's kernel time by kind, as the terms table shows it."""
+    passes = "fused" if layout.fused_passes else "op by op"
     return (
-        f"matrix products {kernels.gemm_s * 1e3:.3g} ms (roofline with wave quantization), flash attention "
-        f"{kernels.attention_s * 1e3:.3g} ms, memory-bound passes {kernels.memory_s * 1e3:.3g} ms per microbatch"
+        f"matrix products {kernels.gemm_s * 1e3:.3g} ms (roofline with wave quantization), "
+        f"{ATTENTION_KERNELS[layout.attention]} {kernels.attention_s * 1e3:.3g} ms, memory-bound passes ({passes}) "
+        f"{kernels.memory_s * 1e3:.3g} ms per microbatch"
     )
 
 

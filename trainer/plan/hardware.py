@@ -2,7 +2,11 @@
 
 Peak FLOP/s are vendor datasheet figures for dense tensor-core math (no sparsity). GEMM efficiency is
 the fraction of that peak the largest matrix products sustain (trainer.plan.kernel_time prices smaller
-ones below it from their shapes); attention efficiency the fraction flash attention's causal FLOPs reach.
+ones below it from their shapes); attention efficiency the fraction flash attention's causal FLOPs reach, for
+today's kernels and for FlashAttention-2's. On an H100 SXM at head dimension 128, causal, 8k tokens,
+FlashAttention-2 runs 333 TFLOP/s forward and 318 backward, cuDNN's fused attention 529 and 518 (Shah et al. 2024,
+"FlashAttention-3", arXiv 2407.08608, Figures 5 and 6); PyTorch's SDPA measured 329 TFLOP/s on an H100 in
+December 2024 (pytorch/pytorch#142132): 0.33 of the bf16 peak.
 H100 and H200 figures are measured (benchmarks/gpu/measured: an H200, 2026-11-26, bf16 products 0.69
 of the bf16 peak, fp8 products with per-tensor scales 0.62 of the fp8 peak; the H100 SXM has the same
 multiprocessors, clocks and power limit); the others are calibrated on published runs
@@ -43,7 +47,11 @@ class GpuType:
     fp8_efficiency: float | None
     """The same for fp8 products (per-tensor scales), of the fp8 peak; None without fp8 tensor cores."""
     attention_efficiency: float
-    """Fraction of the bf16 peak flash attention's causal FLOPs reach."""
+    """Fraction of the bf16 peak flash attention's causal FLOPs reach (today's PyTorch SDPA, cuDNN's fused attention
+    under Transformer Engine)."""
+    flash2_efficiency: float
+    """The same for FlashAttention-2's kernels, which PyTorch's SDPA ran on Hopper through 2025 (cuDNN attention
+    opt-in: pytorch/pytorch#138649); on Ampere FlashAttention-2 is the fast kernel, so the two agree."""
     multiprocessors: int
     """Streaming multiprocessors: a product's tiles run in waves of this many."""
     intra_node_bandwidth: float
@@ -58,14 +66,23 @@ GPU_TYPES: dict[str, GpuType] = {
         # Fitted on Narayanan et al. 2021, Table 1 (benchmarks/published_runs.py, the calibration set): Megatron-LM
         # of 2021 on A100s. The ceiling also absorbs that software's unfused kernels beside the products, so a
         # newer stack on an A100 will run faster than this prices. Attention: not measured, the H100's less.
-        GpuType("A100-40GB", 312e12, None, 19.5e12, 40 * GIB, 1.555e12, 0.46, None, 0.50, 108, 300 * GB, 25 * GB),
-        GpuType("A100-80GB", 312e12, None, 19.5e12, 80 * GIB, 2.039e12, 0.46, None, 0.50, 108, 300 * GB, 25 * GB),
-        GpuType("H100-SXM", 989e12, 1979e12, 67e12, 81_559 * MIB, 3.35e12, 0.69, 0.62, 0.55, 132, 450 * GB, 50 * GB),
+        GpuType("A100-40GB", 312e12, None, 19.5e12, 40 * GIB, 1.555e12, 0.46, None, 0.50, 0.50, 108, 300 * GB, 25 * GB),
+        GpuType("A100-80GB", 312e12, None, 19.5e12, 80 * GIB, 2.039e12, 0.46, None, 0.50, 0.50, 108, 300 * GB, 25 * GB),
+        GpuType(
+            "H100-SXM", 989e12, 1979e12, 67e12, 81_559 * MIB, 3.35e12, 0.69, 0.62, 0.55, 0.33, 132, 450 * GB, 50 * GB
+        ),
+        # The H100 with 96 GB of HBM2e at 2.4 TB/s (torchtitan's published runs, on a 500 W power limit this does not
+        # model): the SXM's compute, its own memory. What its driver exposes is not known here: 96 GB as sold.
+        GpuType("H100-HBM2e", 989e12, 1979e12, 67e12, 96 * GB, 2.4e12, 0.69, 0.62, 0.55, 0.33, 132, 450 * GB, 50 * GB),
         # Not measured: the SXM's figures, on the PCIe card's own peak and 114 multiprocessors.
-        GpuType("H100-PCIe", 756e12, 1513e12, 51e12, 81_559 * MIB, 2.0e12, 0.69, 0.62, 0.55, 114, 64 * GB, 50 * GB),
-        GpuType("H200", 989e12, 1979e12, 67e12, 143_771 * MIB, 4.8e12, 0.69, 0.62, 0.55, 132, 450 * GB, 50 * GB),
+        GpuType(
+            "H100-PCIe", 756e12, 1513e12, 51e12, 81_559 * MIB, 2.0e12, 0.69, 0.62, 0.55, 0.33, 114, 64 * GB, 50 * GB
+        ),
+        GpuType("H200", 989e12, 1979e12, 67e12, 143_771 * MIB, 4.8e12, 0.69, 0.62, 0.55, 0.33, 132, 450 * GB, 50 * GB),
         # Not measured: the H100's figures, on the B200's own peak and 148 multiprocessors.
-        GpuType("B200", 2250e12, 4500e12, 80e12, 183_359 * MIB, 8.0e12, 0.69, 0.62, 0.55, 148, 900 * GB, 100 * GB),
+        GpuType(
+            "B200", 2250e12, 4500e12, 80e12, 183_359 * MIB, 8.0e12, 0.69, 0.62, 0.55, 0.33, 148, 900 * GB, 100 * GB
+        ),
     )
 }
 

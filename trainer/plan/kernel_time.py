@@ -10,8 +10,8 @@ error per block for hidden sizes from 4096 up.
 
 Attention runs as a fused flash kernel: causal, it does half the FLOPs of the full score matrix, at the GPU type's
 attention efficiency (fitted on causal SDPA forward+backward on the same H200: the marginal rate of the large
-shapes). Norms, residual additions, activations, rotary embeddings and the loss's logits are memory-bound: bytes
-over the HBM bandwidth a streaming copy reaches.
+shapes), or FlashAttention-2's (trainer.plan.hardware). Norms, residual additions, activations, rotary embeddings
+and the loss's logits are memory-bound (trainer.plan.passes): bytes over the HBM bandwidth a streaming copy reaches.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def memory_seconds(bytes_moved: float, gpu: GpuType) -> float:
     return bytes_moved / (gpu.memory_bandwidth * STREAM_EFFICIENCY)
 
 
-def attention_seconds(causal_flops: float, gpu: GpuType) -> float:
-    """Flash attention doing `causal_flops` (the causal half of the score matrix's products), in bf16."""
-    return causal_flops / (gpu.peak_bf16_flops * gpu.attention_efficiency) if causal_flops > 0 else 0.0
+def attention_seconds(causal_flops: float, gpu: GpuType, flash2: bool = False) -> float:
+    """Flash attention doing `causal_flops` (the causal half of the score matrix's products), in bf16; `flash2`
+    prices FlashAttention-2's kernels instead of today's."""
+    efficiency = gpu.flash2_efficiency if flash2 else gpu.attention_efficiency
+    return causal_flops / (gpu.peak_bf16_flops * efficiency) if causal_flops > 0 else 0.0

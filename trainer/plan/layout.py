@@ -16,7 +16,7 @@ MATMUL_INPUT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 PLACEMENT = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 RUNTIMES = ("loom", "megatron", "torchtitan")
 Runtime = Literal["loom", "megatron", "torchtitan"]
-Attention = Literal["flash", "unfused"]
+Attention = Literal["flash", "flash2", "unfused"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class Layout:
     """Whose training code runs the layout: loom's trainer, or one the planner exports to (Megatron-LM,
     torchtitan). They differ in what each fuses, overlaps, recomputes and keeps."""
     attention: Attention = "flash"
-    """How the runtime computes attention: one fused flash kernel (loom's SDPA, Megatron-LM since 2023), or
+    """How the runtime computes attention: one fused flash kernel (loom's SDPA, Megatron-LM since 2023); the same
+    with FlashAttention-2's kernels (PyTorch's SDPA on Hopper through 2025, as torchtitan's published runs had it); or
     unfused as Megatron-LM did in 2021–2022: QKᵀ and AV as batched products around a softmax and dropout that
     read and write the whole score matrix."""
 
@@ -125,6 +126,15 @@ class Layout:
             return True
         parallel = self.parallel
         return self.config.compute.kernels != "torch" and parallel.tp == parallel.cp == 1
+
+    @property
+    def fused_passes(self) -> bool:
+        """Whether norms, rotary and the MLP's activation each run as one fused kernel (trainer.plan.passes):
+        Megatron-LM's Transformer Engine always; torchtitan and loom under torch.compile; loom where its Triton
+        kernels run. Otherwise eager PyTorch runs them op by op."""
+        if self.runtime == "megatron" or self.config.compute.compile:
+            return True
+        return self.runtime == "loom" and self.fused_kernels
 
     @property
     def fused_loss(self) -> bool:

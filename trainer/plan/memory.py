@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.plan.activations import SavedTensor, Shape, kept, layer_bytes, loom_layer
+from trainer.plan.activations import SavedTensor, Shape, kept, layer_bytes, loom_layer, torchtitan_per_op_layer
 from trainer.plan.layout import PLACEMENT, Layout
 from trainer.plan.parameters import ParameterTensor, held_layers, local_elements, rank_holding, stages_of_rank
 from trainer.plan.terms import Term, count, total
@@ -224,6 +224,10 @@ def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[
 
 def layer_tensors(layout: Layout, shape: Shape) -> list[SavedTensor]:
     """What one block keeps for backward in this layout, for a rank holding `shape`."""
+    parallel = layout.parallel
+    if layout.runtime == "torchtitan" and layout.config.compute.recompute == "selective":
+        reduce_scatters = parallel.tp > 1 and parallel.sequence_parallel
+        return torchtitan_per_op_layer(shape, layout.model, layout.activation_bytes, reduce_scatters)
     return loom_layer(
         shape,
         layout.model,
