@@ -106,3 +106,33 @@ def test_torchtitans_per_op_checkpointing_under_sequence_parallel_keeps_the_redu
     sbh, sbkv, sbf, sba = TOKENS * DIM, TOKENS * KV, TOKENS * FFN, TOKENS * HEADS
     per_layer = 2 * (sbh / tp + sbh / tp + sbkv / tp + sbh / tp + sbf / tp + sbh + 2 * sbh / tp) + 4 * sba / tp
     assert activations("torchtitan", parallel) == pytest.approx(LAYERS * per_layer)
+
+
+def megatron_activations(model, parallel, attention):
+    doc = {
+        "model": model,
+        "parallel": parallel,
+        "compute": {"precision": "bf16", "recompute": "none"},
+        "data": {"micro_batch": 1},
+    }
+    result = estimate(doc, CLUSTER, runtime="megatron", attention=attention)
+    return next(term.value for term in result.memory[0].terms if term.name == "activations")
+
+
+def test_the_megatron_export_keeps_korthikantis_gpt_layer():
+    s, h, a, t, layers = 2048, 2048, 16, 4, 2
+    gpt = {"layers": layers, "dim": h, "heads": a, "kv_heads": a, "ffn": 4 * h, "vocab": 51200, "seq_len": s}
+    gpt["mlp"] = "gelu"
+    gpt["tie_embeddings"] = True
+    parallel = {"tp": t, "dp_shard": 2, "sequence_parallel": True}
+    assert megatron_activations(gpt, parallel, "unfused") == pytest.approx(layers * s * h / t * (34 + 5 * a * s / h))
+
+
+def test_the_megatron_export_of_a_llama_keeps_flash_attentions_logsumexp_and_swiglus_gate_and_up():
+    t = 4
+    llama = {**MODEL, "seq_len": SEQ}
+    parallel = {"tp": t, "dp_shard": 2, "sequence_parallel": True}
+    sbh, sbkv, sbf, sba = SEQ * DIM, SEQ * KV, SEQ * FFN, SEQ * HEADS
+    # Norm and QKV inputs, Q and K, V, projection input, MLP norm and input, gate and up, their product; no dropout.
+    per_layer = (2 * (sbh + sbh + sbh + sbkv + sbkv + sbh + sbh + sbh + 2 * sbf + sbf) + 4 * sba) / t
+    assert megatron_activations(llama, parallel, "flash") == pytest.approx(LAYERS * per_layer)

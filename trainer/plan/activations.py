@@ -7,7 +7,9 @@ The terms follow Korthikanti et al., "Reducing Activation Recomputation in Large
   softmax), sequence parallel re-gathering the inputs of column-parallel layers in backward, and
   selective recompute of the core attention. It reproduces their closed forms: 34sbh + 5as²b per
   layer without parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor parallel, sbh/t·(34 + 5as/h)
-  with sequence parallel, 34sbh/t with selective recompute, 2sbh/t with full recompute.
+  with sequence parallel, 34sbh/t with selective recompute, 2sbh/t with full recompute. The export
+  to Megatron-LM prices it, carried over to grouped-query attention, SwiGLU, flash attention and
+  no dropout where its recipe has them.
 - "loom": what trainer/ runs: RMSNorm, SwiGLU, grouped-query flash attention through
   scaled_dot_product_attention (keeps q, k, v, its output and an fp32 logsumexp per row and head,
   never the s² scores; the output projection reads that output's own storage), no dropout; DTensor's
@@ -18,6 +20,8 @@ The terms follow Korthikanti et al., "Reducing Activation Recomputation in Large
   keeps their fp32 intermediates: a norm's fp32 input and normalised output, SwiGLU's fp32 gate, up
   and silu(gate). tests/trainer/test_activation_memory.py measures these against the trainer's own
   saved tensors, layer by layer.
+- "torchtitan": as loom's, except that its "selective" is per-op selective checkpointing
+  (torchtitan_per_op_layer).
 
 s is the sequence a rank holds (seq_len / cp), b the microbatch in sequences, h the hidden size,
 a heads, f the feed-forward size, t the tensor-parallel degree.
@@ -182,28 +186,52 @@ def torchtitan_per_op_layer(shape: Shape, model: ModelConfig, activation_bytes: 
     return tensors
 
 
-def megatron_layer(shape: Shape) -> list[SavedTensor]:
-    """Korthikanti et al.'s GPT layer, 2-byte activations and 1-byte dropout masks (section 4.1)."""
-    s, b, h, a = shape.s, shape.b, shape.h, shape.a
-    sbh, as2b = s * b * h, a * s * s * b
+def megatron_layer(shape: Shape, swiglu: bool = False, flash: bool = False, dropout: bool = True) -> list[SavedTensor]:
+    """Korthikanti et al.'s GPT layer, 2-byte activations and 1-byte dropout masks (section 4.1), as Megatron-LM
+    keeps it; for the models it trains today with grouped-query keys and values (kv wide), SwiGLU (gate and up
+    kept, then their product: 3sbf where GELU keeps 2 × 4sbh), flash attention (its output, already counted as the
+    projection's input, and an fp32 logsumexp per row and head instead of the three s² score tensors), and no
+    dropout where the recipe sets it to zero."""
+    s, b, h, a, kv, f = shape.s, shape.b, shape.h, shape.a, shape.kv, shape.f
+    sbh, sbkv, as2b = s * b * h, s * b * kv, a * s * s * b
     core_attention = frozenset({"none"})
-    return [
+    tensors = [
         SavedTensor("attention LayerNorm input", "sbh", sbh, 2, False, True, UNLESS_FULL),
         SavedTensor("QKV input", "sbh", sbh, 2, False, True, UNLESS_FULL),
-        SavedTensor("Q and K", "2sbh", 2 * sbh, 2, True, False, UNLESS_FULL),
-        SavedTensor("softmax output", "as²b", as2b, 2, True, False, core_attention),
-        SavedTensor("softmax dropout mask", "as²b", as2b, 1, True, False, core_attention),
-        SavedTensor("softmax dropout output", "as²b", as2b, 2, True, False, core_attention),
-        SavedTensor("V", "sbh", sbh, 2, True, False, UNLESS_FULL),
+        SavedTensor("Q and K", "2sbh" if kv == h else "sbh + sb·kv", sbh + sbkv, 2, True, False, UNLESS_FULL),
+    ]
+    if flash:
+        tensors.append(SavedTensor("softmax logsumexp (fp32)", "sba", s * b * a, 4, True, False, core_attention))
+    else:
+        tensors += [
+            SavedTensor("softmax output", "as²b", as2b, 2, True, False, core_attention),
+            SavedTensor("softmax dropout mask", "as²b", as2b, 1, True, False, core_attention),
+            SavedTensor("softmax dropout output", "as²b", as2b, 2, True, False, core_attention),
+        ]
+    tensors += [
+        SavedTensor("V", "sbh" if kv == h else "sb·kv", sbkv, 2, True, False, UNLESS_FULL),
         SavedTensor("projection input", "sbh", sbh, 2, True, False, UNLESS_FULL),
-        SavedTensor("attention dropout mask", "sbh", sbh, 1, False, True, UNLESS_FULL),
+    ]
+    if dropout:
+        tensors.append(SavedTensor("attention dropout mask", "sbh", sbh, 1, False, True, UNLESS_FULL))
+    tensors += [
         SavedTensor("MLP LayerNorm input", "sbh", sbh, 2, False, True, UNLESS_FULL),
         SavedTensor("MLP input", "sbh", sbh, 2, False, True, UNLESS_FULL),
-        SavedTensor("GeLU input", "4sbh", 4 * sbh, 2, True, False, UNLESS_FULL),
-        SavedTensor("second linear input", "4sbh", 4 * sbh, 2, True, False, UNLESS_FULL),
-        SavedTensor("MLP dropout mask", "sbh", sbh, 1, False, True, UNLESS_FULL),
-        SavedTensor("layer input, kept for recompute", "sbh", sbh, 2, False, True, ONLY_FULL),
     ]
+    if swiglu:
+        tensors += [
+            SavedTensor("gate and up", "2sbf", 2 * s * b * f, 2, True, False, UNLESS_FULL),
+            SavedTensor("second linear input", "sbf", s * b * f, 2, True, False, UNLESS_FULL),
+        ]
+    else:
+        tensors += [
+            SavedTensor("GeLU input", "sbf", s * b * f, 2, True, False, UNLESS_FULL),
+            SavedTensor("second linear input", "sbf", s * b * f, 2, True, False, UNLESS_FULL),
+        ]
+    if dropout:
+        tensors.append(SavedTensor("MLP dropout mask", "sbh", sbh, 1, False, True, UNLESS_FULL))
+    tensors.append(SavedTensor("layer input, kept for recompute", "sbh", sbh, 2, False, True, ONLY_FULL))
+    return tensors
 
 
 def layer_bytes(tensors: list[SavedTensor], recompute: str, tp: int, sequence_parallel: bool) -> float:

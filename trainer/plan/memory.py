@@ -18,7 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.plan.activations import SavedTensor, Shape, kept, layer_bytes, loom_layer, torchtitan_per_op_layer
+from trainer.plan.activations import (
+    SavedTensor,
+    Shape,
+    kept,
+    layer_bytes,
+    loom_layer,
+    megatron_layer,
+    torchtitan_per_op_layer,
+)
 from trainer.plan.layout import PLACEMENT, Layout
 from trainer.plan.parameters import ParameterTensor, held_layers, local_elements, rank_holding, stages_of_rank
 from trainer.plan.terms import Term, count, total
@@ -228,6 +236,10 @@ def layer_tensors(layout: Layout, shape: Shape) -> list[SavedTensor]:
     if layout.runtime == "torchtitan" and layout.config.compute.recompute == "selective":
         reduce_scatters = parallel.tp > 1 and parallel.sequence_parallel
         return torchtitan_per_op_layer(shape, layout.model, layout.activation_bytes, reduce_scatters)
+    if layout.runtime == "megatron":
+        # Megatron-LM's GPT recipes train with dropout 0.1, its Llama recipes without.
+        gpt = layout.model.mlp == "gelu"
+        return megatron_layer(shape, swiglu=not gpt, flash=layout.attention != "unfused", dropout=gpt)
     return loom_layer(
         shape,
         layout.model,
