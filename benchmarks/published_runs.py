@@ -44,6 +44,7 @@ NEMO_2407 = (
     "pre-training table (commit 8e3d65dcfe, 2024-09-09)"
 )
 BRIDGE_ARCHIVE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (commit 4ab94dfad366, 2026-08-11)"
+BRIDGE_ARCHIVE_2602 = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (commit 4da7335ff4b7)"
 TORCHTITAN_2412 = (
     "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (was docs/performance.md; commit 820504e20d11, "
     "measured with torchtitan 9dec370, 2024-12-26)"
@@ -340,6 +341,7 @@ NEMO_MODELS = {
     "LLAMA2-70B": lambda seq: llama(80, 8192, 64, 8, 28672, LLAMA2_VOCAB, seq),
     "LLAMA3-8B": lambda seq: llama(32, 4096, 32, 8, 14336, LLAMA3_VOCAB, seq),
     "LLAMA3-70B": lambda seq: llama(80, 8192, 64, 8, 28672, LLAMA3_VOCAB, seq),
+    "LLAMA3.1-405B": lambda seq: llama(126, 16384, 128, 8, 53248, LLAMA3_VOCAB, seq),
 }
 NEMO_VOCAB_ASSUMED = {
     "GPT3-175B": f"vocab: {GPT_VOCAB} (GPT-2's BPE padded to a multiple of 128 × tp; not stated)",
@@ -384,6 +386,9 @@ BRIDGE_ROWS = (
     ("25.11", "LLAMA3_8B", 8, 128, 1, 8192, True, 1, 1, 1, 1, 14451),
     ("25.11", "LLAMA3_70B", 64, 128, 1, 8192, False, 4, 8, 1, 5, 1602),
     ("26.04.01", "LLAMA3_70B", 64, 256, 1, 8192, False, 4, 8, 1, 5, 1664),
+    # 126 blocks on PP 8 × VP 8 = 64 stages: the embedding and the loss count as a block each (1, 2, …, 2, 1).
+    ("25.11", "LLAMA3.1_405B", 1024, 512, 1, 8192, False, 8, 8, 2, 8, 292),
+    ("26.02", "LLAMA3.1_405B", 1024, 1536, 1, 8192, False, 8, 8, 2, 8, 311),
 )
 
 
@@ -395,7 +400,10 @@ def bridge_runs() -> list[PublishedRun]:
         runs.append(
             PublishedRun(
                 name=f"bridge-{release}-{model.lower()}-gbs{gbs}",
-                source=f"{BRIDGE_ARCHIVE}; {release} NeMo container, DGX-H100 pre-training, row {model} GBS {gbs}",
+                source=(
+                    f"{BRIDGE_ARCHIVE_2602 if release == '26.02' else BRIDGE_ARCHIVE}; {release} NeMo container, "
+                    f"DGX-H100 pre-training, row {model} GBS {gbs}"
+                ),
                 fitting="calibration",
                 runtime="megatron",
                 cluster=cluster("H100-SXM", gpus),
@@ -569,7 +577,6 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = tuple(
     narayanan_runs() + nemo_runs() + bridge_runs() + korthikanti_runs() + torchtitan_runs()
 )
 
-UNEVEN_405B = "Llama 3.1 405B's 126 layers do not split evenly over {stages} pipeline stages; loom splits layers evenly"
 NOT_EXPRESSIBLE: tuple[NotExpressible, ...] = (
     NotExpressible(
         "torchtitan-70b-fsdp32-tp8-asynctp",
@@ -580,7 +587,7 @@ NOT_EXPRESSIBLE: tuple[NotExpressible, ...] = (
         NotExpressible(
             f"torchtitan-405b-{schedule}",
             f"{TORCHTITAN_2412}; Table 5, row {schedule}",
-            UNEVEN_405B.format(stages=8) + "; also async TP",
+            "async tensor parallel (the 405B rows all run it); loom has no such option",
         )
         for schedule in ("1F1B", "Interleaved 1F1B")
     ),
@@ -588,7 +595,7 @@ NOT_EXPRESSIBLE: tuple[NotExpressible, ...] = (
         NotExpressible(
             f"torchtitan-405b-fsdp{fsdp}-cp{cp}",
             f"{TORCHTITAN_2412}; Table 6, row FSDP {fsdp}, CP {cp}",
-            UNEVEN_405B.format(stages=8) + "; also async TP",
+            "async tensor parallel (the 405B rows all run it); loom has no such option",
         )
         for fsdp, cp in ((8, 1), (4, 2), (2, 4), (1, 8))
     ),
@@ -612,13 +619,5 @@ NOT_EXPRESSIBLE: tuple[NotExpressible, ...] = (
             "(compute.compile)",
         )
         for precision, row in (("bf16", "None (bfloat16)"), ("fp8", "float8 tensorwise"))
-    ),
-    *(
-        NotExpressible(
-            f"bridge-{release}-llama3.1-405b-gbs{gbs}",
-            f"{BRIDGE_ARCHIVE}; {release} NeMo container, DGX-H100, LLAMA3.1_405B",
-            UNEVEN_405B.format(stages="PP 8 × VP 8 = 64"),
-        )
-        for release, gbs in (("25.11", 512), ("26.04.01", 1536))
     ),
 )

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from trainer.pipeline_split import splits
+
 BYTE_VOCAB = 256
 
 
@@ -893,11 +895,13 @@ def _pipeline_errors(config: RunConfig, refuse) -> None:
     if schedule in V_SCHEDULES and parallel.stages_per_rank != 2:
         refuse("parallel.stages_per_rank", f"must be 2 for {schedule}: each rank holds two stages, placed as a V")
     stages = parallel.pp * parallel.stages_per_rank
-    if layers % stages:
-        valid = [p for p in divisors(layers) if p > 1 and (layers // p) % parallel.stages_per_rank == 0]
+    if not splits(layers, stages):
+        valid = [p for p in range(2, layers + 3) if splits(layers, p * parallel.stages_per_rank)]
         refuse(
             "parallel.pp",
-            f"pp × stages_per_rank = {stages} must divide model.layers={layers}; valid pp here: {valid}",
+            f"pp × stages_per_rank = {stages} must divide model.layers={layers}, or {layers + 2} (the embedding and "
+            f"the output counted as a block each: the first and last stages hold one block fewer); valid pp here: "
+            f"{valid}",
         )
     microbatches = parallel.microbatches
     if microbatches < parallel.pp:

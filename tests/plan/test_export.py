@@ -377,3 +377,25 @@ def test_the_demo_learning_rate_is_exported_as_set_with_a_warning():
     job = export_job(chosen, "megatron")
     assert "--lr=0.00015 \\" in job["text"].splitlines()
     assert job["warnings"] == []
+
+
+UNEVEN = {"tp": 8, "pp": 16, "pp_schedule": "1F1B", "microbatches": 16, "dp_shard": 2}
+
+
+def test_an_uneven_pipeline_split_exports_as_one_block_fewer_on_the_first_and_last_stage():
+    """Llama 3.1 405B's 126 blocks on 16 stages: 7, 8, …, 8, 7."""
+    config = config_of(UNEVEN, micro_batch=16, model={"preset": "llama3-405b"})
+    parallelism = tomllib.loads(to_torchtitan_toml(config))["parallelism"]
+    assert parallelism["pipeline_parallel_layers_per_stage"] == 8
+    assert parallelism["pipeline_parallel_first_stage_less_layers"] == 1
+    assert parallelism["pipeline_parallel_last_stage_less_layers"] == 1
+    arguments = megatron(config)
+    assert arguments["--account-for-embedding-in-pipeline-split"] is True
+    assert arguments["--account-for-loss-in-pipeline-split"] is True
+    assert "--num-layers-per-virtual-pipeline-stage" not in arguments
+
+
+def test_an_even_pipeline_split_exports_without_accounting_for_the_embedding():
+    config = config_of(INTERLEAVED)
+    assert "--account-for-embedding-in-pipeline-split" not in megatron(config)
+    assert megatron(config)["--num-layers-per-virtual-pipeline-stage"] == "10"

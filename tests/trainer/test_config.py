@@ -69,7 +69,13 @@ def test_an_injected_fault_must_name_an_existing_rank():
         ({"tp": 4}, {"kv_heads": 2}, "parallel.tp", "must divide model.kv_heads=2; valid choices are [1, 2]"),
         ({"cp": 2}, {"seq_len": 130}, "model.seq_len", "must be divisible by 4 (2 × cp = 4 load-balanced chunks)"),
         ({"tp": 2}, {"seq_len": 129}, "model.seq_len", "must be divisible by 2 (tp = 2 sequence-parallel shards)"),
-        ({"pp": 3, "microbatches": 4}, {"layers": 4}, "parallel.pp", "valid pp here: [2, 4]"),
+        (
+            {"pp": 5, "microbatches": 5},
+            {"layers": 4},
+            "parallel.pp",
+            "or 6 (the embedding and the output counted as a block each: the first and last stages hold one "
+            "block fewer); valid pp here: [2, 3, 4]",
+        ),
         ({"pp": 2, "microbatches": 1}, {"layers": 4}, "parallel.microbatches", "must be at least pp=2"),
         ({"pp": 2, "microbatches": 3}, {"layers": 4}, "parallel.microbatches", "must divide data.micro_batch=8"),
         (

@@ -48,6 +48,8 @@ LAYOUTS = {
     "pp2_interleavedzerobubble": layout(pp=2, pp_schedule="InterleavedZeroBubble", stages_per_rank=2, microbatches=4),
     "pp2_zbvzerobubble": layout(pp=2, pp_schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=4),
     "pp2_dualpipev": layout(pp=2, pp_schedule="DualPipeV", stages_per_rank=2, microbatches=4),
+    # 4 blocks on 3 stages: the embedding and output count as a block each, so the stages hold 1, 2 and 1.
+    "pp3_1f1b_uneven": layout(pp=3, pp_schedule="1F1B", microbatches=4),
     "pp2xdp2xtp2": layout(2, pp=2, dp_shard=2, tp=2, microbatches=2),
     "fsdp2_full_recompute": layout(2, dp_shard=2, recompute="full"),
     "tp2_selective_recompute": layout(tp=2, recompute="selective"),

@@ -4,7 +4,8 @@ import torch
 
 from trainer.config import ParallelConfig
 from trainer.parallel.context import load_balanced_positions
-from trainer.parallel.pipeline import layers_of_stage, stage_indices
+from trainer.parallel.pipeline import stage_indices
+from trainer.pipeline_split import splits, stage_block_counts, stage_blocks
 
 
 def test_load_balanced_chunks_give_every_cp_rank_an_early_and_a_late_chunk():
@@ -32,7 +33,7 @@ def test_one_stage_schedules_hold_their_own_stage():
 
 
 def test_layers_are_split_evenly_and_in_order():
-    assert [list(layers_of_stage(8, 4, stage)) for stage in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [list(stage_blocks(8, 4, stage)) for stage in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_recompute_wraps_blocks_or_attention_and_keeps_parameter_names():
@@ -53,3 +54,12 @@ def test_recompute_wraps_blocks_or_attention_and_keeps_parameter_names():
     tokens = torch.randint(0, 256, (2, 16))
     full(tokens, tokens).backward()
     assert all(parameter.grad is not None for parameter in full.parameters())
+
+
+def test_blocks_that_stages_do_not_divide_count_the_embedding_and_output_as_a_block_each():
+    assert stage_block_counts(126, 16) == [7] + [8] * 14 + [7]
+    assert stage_block_counts(126, 64) == [1] + [2] * 62 + [1]
+    assert [list(stage_blocks(4, 3, stage)) for stage in range(3)] == [[0], [1, 2], [3]]
+    assert stage_block_counts(8, 4) == [2, 2, 2, 2]
+    # 4 blocks on 6 stages would leave the first and last with none; 5 stages divide neither 4 nor 6.
+    assert not splits(4, 6) and not splits(4, 5) and splits(4, 3)

@@ -20,6 +20,7 @@ from torch.distributed.pipelining.schedules import (
 
 from trainer.config import V_SCHEDULES, ParallelConfig
 from trainer.model import Transformer
+from trainer.pipeline_split import stage_blocks
 
 from .mesh import ParallelMesh
 
@@ -33,15 +34,10 @@ def stage_indices(parallel: ParallelConfig, pp_rank: int) -> list[int]:
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
-def layers_of_stage(layers: int, stages: int, stage: int) -> range:
-    per_stage = layers // stages
-    return range(stage * per_stage, (stage + 1) * per_stage)
-
-
 def stage_model(model: Transformer, stage: int, stages: int) -> Transformer:
     """A copy of the model holding only this stage's part; its parameters keep their names."""
     part = copy.deepcopy(model)
-    keep = {str(index) for index in layers_of_stage(model.cfg.layers, stages, stage)}
+    keep = {str(index) for index in stage_blocks(model.cfg.layers, stages, stage)}
     for name in list(part.blocks.keys()):
         if name not in keep:
             del part.blocks[name]

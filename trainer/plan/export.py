@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 
 from trainer.config import ConfigError, OptimizerConfig, RunConfig
+from trainer.pipeline_split import stage_block_counts
 from trainer.plan.parameters import total_parameters
 from trainer.plan.terms import count
 
@@ -77,9 +78,18 @@ def precision_of(config: RunConfig) -> str:
     return "bf16" if config.compute.precision == "auto" else config.compute.precision
 
 
+def total_stages(config: RunConfig) -> int:
+    return config.parallel.pp * config.parallel.stages_per_rank
+
+
+def uneven_split(config: RunConfig) -> bool:
+    """Whether the embedding and the output count as a block each (trainer.pipeline_split)."""
+    return config.model.layers % total_stages(config) != 0
+
+
 def layers_per_stage(config: RunConfig) -> int:
-    parallel = config.parallel
-    return config.model.layers // (parallel.pp * parallel.stages_per_rank)
+    """Blocks of a middle stage: all of them where the split is even."""
+    return max(stage_block_counts(config.model.layers, total_stages(config)))
 
 
 def micro_seqs(config: RunConfig) -> int:
@@ -240,8 +250,8 @@ def torchtitan_parallelism(config: RunConfig) -> list[tuple[str, object]]:
         items += [
             ("pipeline_parallel_schedule", parallel.pp_schedule),
             ("pipeline_parallel_layers_per_stage", layers_per_stage(config)),
-            ("pipeline_parallel_first_stage_less_layers", 0),
-            ("pipeline_parallel_last_stage_less_layers", 0),
+            ("pipeline_parallel_first_stage_less_layers", int(uneven_split(config))),
+            ("pipeline_parallel_last_stage_less_layers", int(uneven_split(config))),
             ("pipeline_parallel_microbatch_size", micro_seqs(config)),
         ]
     items += [("context_parallel_degree", parallel.cp), ("expert_parallel_degree", parallel.ep)]
@@ -254,8 +264,12 @@ def torchtitan_parallelism_notes(config: RunConfig) -> list[str]:
     if parallel.pp > 1:
         notes.append(
             f"{parallel.pp_schedule}, {parallel.stages_per_rank} stage(s) per rank of "
-            f"{layers_per_stage(config)} layers each: the embedding and output take no layers' place, "
-            "as in loom's even split"
+            f"{layers_per_stage(config)} layers each"
+            + (
+                ", the first and last one fewer: the embedding and output count as a layer each, as in loom's split"
+                if uneven_split(config)
+                else ": the embedding and output take no layers' place, as in loom's even split"
+            )
         )
     if parallel.zero == 0 and parallel.dp_replicate > 1 and parallel.world_size > parallel.dp_replicate:
         notes.append(
@@ -355,7 +369,11 @@ def megatron_parallelism(config: RunConfig) -> list[str]:
     if parallel.tp > 1 and parallel.sequence_parallel:
         args.append("--sequence-parallel")
     args.append(f"--pipeline-model-parallel-size={parallel.pp}")
-    if parallel.pp > 1 and parallel.pp_schedule == "Interleaved1F1B":
+    if parallel.pp > 1 and uneven_split(config):
+        args += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+        if parallel.pp_schedule == "Interleaved1F1B":
+            args.append(f"--virtual-pipeline-model-parallel-size={parallel.stages_per_rank}")
+    elif parallel.pp > 1 and parallel.pp_schedule == "Interleaved1F1B":
         args.append(f"--num-layers-per-virtual-pipeline-stage={layers_per_stage(config)}")
     args.append(f"--context-parallel-size={parallel.cp}")
     if config.model.experts > 1:

@@ -252,6 +252,14 @@ def layer_tensors(layout: Layout, shape: Shape) -> list[SavedTensor]:
     )
 
 
+def layer_activation_bytes(layout: Layout) -> float:
+    """What one block keeps for one microbatch on a rank of this layout."""
+    parallel = layout.parallel
+    tensors = layer_tensors(layout, Shape.of(layout.model, layout.local_seq, layout.micro_seqs))
+    sequence_parallel = parallel.sequence_parallel and parallel.tp > 1
+    return layer_bytes(tensors, layout.config.compute.recompute, parallel.tp, sequence_parallel)
+
+
 def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
     """Kept activations of every layer the rank holds, times the microbatches in flight, plus the
     last stage's logits."""
@@ -262,7 +270,7 @@ def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
     stages = stages_of_rank(parallel, pp_rank)
     layers = held_layers(model, layout.total_stages, stages)
     held = in_flight_microbatches(layout, pp_rank)
-    per_layer = layer_bytes(tensors, recompute, tp, sp)
+    per_layer = layer_activation_bytes(layout)
     mode = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}[recompute]
     parts = " + ".join(f"{t.symbol}·{t.bytes_per_element:g}B" for t in kept(tensors, recompute))
     terms = [

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from trainer.config import V_SCHEDULES, ModelConfig, ParallelConfig
+from trainer.pipeline_split import stage_block_counts, stage_blocks
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,13 @@ def mlp_tensors(model: ModelConfig, prefix: str, copies: int = 1) -> list[Parame
 
 
 def stage_layers(model: ModelConfig, stages: int, stage: int) -> range:
-    per_stage = model.layers // stages
-    return range(stage * per_stage, (stage + 1) * per_stage)
+    return stage_blocks(model.layers, stages, stage)
 
 
 def held_layers(model: ModelConfig, total_stages: int, stages: list[int]) -> int:
-    """Blocks these pipeline stages hold between them: every stage holds as many (`stage_layers`)."""
-    return len(stages) * (model.layers // total_stages)
+    """Blocks these pipeline stages hold between them (trainer.pipeline_split)."""
+    counts = stage_block_counts(model.layers, total_stages)
+    return sum(counts[stage] for stage in stages)
 
 
 def embedding_tensor(model: ModelConfig) -> ParameterTensor:

@@ -25,7 +25,8 @@ own functions once and shared by every layout that agrees on what the part reads
 
 - model states per pipeline rank (`state_elements`, `model_state_terms`, `buffer_terms`): per what
   each rank holds, tp, ep, ZeRO stage, sharding ranks and resharding;
-- activations per pipeline rank (`activation_terms`, `pipeline_buffer_term`) for one sequence, times
+- activations per pipeline rank (`layer_activation_bytes` × layers × microbatches in flight, `logits_term`,
+  `pipeline_buffer_term`) for one sequence, times
   the micro-batch size: per tp, cp, recompute mode, layers held, loss or not, microbatches in flight;
 - FLOPs per pipeline rank (`stages_compute`): per what the rank holds, tp, cp, recompute mode and
   sequences in a microbatch;
@@ -103,9 +104,10 @@ from trainer.plan.hardware import GIB, ClusterSpec
 from trainer.plan.layout import Layout
 from trainer.plan.memory import (
     StateElements,
-    activation_terms,
     buffer_terms,
     in_flight_microbatches,
+    layer_activation_bytes,
+    logits_term,
     model_state_terms,
     outside_allocator_terms,
     pipeline_buffer_term,
@@ -510,7 +512,8 @@ class Pricer:
         self._states: dict = {}
         self._data_states_of: dict = {}
         self._held: dict = {}
-        self._activations: dict = {}
+        self._layer_activations: dict = {}
+        self._logits: dict = {}
         self._buffers: dict = {}
         self._compute: dict = {}
         self._bubbles: dict = {}
@@ -675,7 +678,8 @@ class Pricer:
         return self._rank_elements[key]
 
     def _activation_bytes(self, candidate: Candidate) -> list[float]:
-        """`activation_terms` + `pipeline_buffer_term` per pipeline rank: a microbatch keeps b times
+        """`activation_terms` (per layer, times the layers and microbatches in flight, plus the logits) +
+        `pipeline_buffer_term` per pipeline rank: a microbatch keeps b times
         what one sequence keeps, and a rank's activations depend on it only through its layers,
         whether it computes the loss and its microbatches in flight (and, for the residual stream's
         dtype, whether FSDP holds the parameters)."""
@@ -687,13 +691,20 @@ class Pricer:
             self._buffers[buffers_key] = total(pipeline_buffer_term(one_sequence))
         buffers = self._buffers[buffers_key]
         same = (tp, cp, recompute, tp == pp == 1, fully_shards(candidate))
+        if same not in self._layer_activations:
+            one_sequence = one_sequence or self._layout(candidate._replace(micro_batch=pipeline.microbatches))
+            self._layer_activations[same] = layer_activation_bytes(one_sequence)
+        per_layer = self._layer_activations[same]
         per_rank = []
-        for rank, held in enumerate(self._held_by_rank(candidate)):
-            key = same + held
-            if key not in self._activations:
-                one_sequence = one_sequence or self._layout(candidate._replace(micro_batch=pipeline.microbatches))
-                self._activations[key] = total(activation_terms(one_sequence, rank))
-            per_rank.append(self._activations[key] + buffers)
+        for layers, holds_output, in_flight in self._held_by_rank(candidate):
+            kept = per_layer * layers * in_flight
+            if holds_output:
+                key = same + (pp == 1, in_flight)
+                if key not in self._logits:
+                    one_sequence = one_sequence or self._layout(candidate._replace(micro_batch=pipeline.microbatches))
+                    self._logits[key] = logits_term(one_sequence, in_flight).value
+                kept += self._logits[key]
+            per_rank.append(kept + buffers)
         micro_seqs = micro_batch // pipeline.microbatches
         return [micro_seqs * each for each in per_rank]
 
