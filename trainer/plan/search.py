@@ -89,6 +89,7 @@ from trainer.config import (
     parse_config,
     unrunnable_errors,
 )
+from trainer.pipeline_split import splits
 from trainer.plan.communication import data_parallel_traffic, expose, groups, time_traffic
 from trainer.plan.compute import RankCompute, model_flops_per_token, stages_compute
 from trainer.plan.estimate import (
@@ -434,7 +435,7 @@ class SearchSpace:
         if pp == 1:
             yield PipelineChoice("1F1B", 1, 1)
             return
-        layers_per_rank = max(self.base.model.layers // pp, 1)
+        layers = self.base.model.layers
         counts = divisors(micro_batch)
         for schedule in PIPELINE_SCHEDULES:
             if schedule in ONE_STAGE_SCHEDULES:
@@ -442,7 +443,7 @@ class SearchSpace:
             elif schedule in V_SCHEDULES:
                 looping = [2]
             else:
-                looping = [v for v in divisors(layers_per_rank) if 2 <= v <= 64]
+                looping = [v for v in range(2, 65) if splits(layers, pp * v)]
             for stages_per_rank in looping:
                 for microbatches in counts:
                     yield PipelineChoice(schedule, stages_per_rank, microbatches)
@@ -880,15 +881,22 @@ class Pricer:
         bound tightened and the layout put back, until the bound taken is exact. Layouts leave the
         queue fastest first, so one that leaves after `limit` others, with no less memory than one of
         them, is beaten on both counts and is dropped before any more of its time is computed."""
-        queue = [
-            (bound, order, peak, candidate, FEWEST_MICROBATCHES_BOUND)
-            for order, (peak, bound, candidate) in enumerate(fitting)
-        ]
-        heapq.heapify(queue)
+        # The first bounds, sorted once, merge with a heap of the tightened ones: the same order as one heap of
+        # everything, (bound, position in `fitting`), without pushing every layout through it.
+        bounds = [bound for _, bound, _ in fitting]
+        first = sorted(range(len(fitting)), key=bounds.__getitem__)
+        tightened: list[tuple[float, int, int]] = []
         fastest: list[tuple[float, float, Candidate]] = []
         least_memory = float("inf")
-        while queue:
-            step_s, order, peak, candidate, exactness = heapq.heappop(queue)
+        index = 0
+        while index < len(first) or tightened:
+            if tightened and (index == len(first) or tightened[0][:2] < (bounds[first[index]], first[index])):
+                step_s, order, exactness = heapq.heappop(tightened)
+            else:
+                order, exactness = first[index], FEWEST_MICROBATCHES_BOUND
+                step_s = bounds[order]
+                index += 1
+            peak, _, candidate = fitting[order]
             if len(fastest) >= self.space.limit and peak >= least_memory:
                 continue
             if exactness == EXACT:
@@ -896,7 +904,7 @@ class Pricer:
                 least_memory = min(least_memory, peak)
             else:
                 bound, exactness = self._tighter_bound(candidate, step_s, exactness)
-                heapq.heappush(queue, (bound, order, peak, candidate, exactness))
+                heapq.heappush(tightened, (bound, order, exactness))
         return fastest
 
     def found(self, peak: float, candidate: Candidate) -> Found:
