@@ -246,10 +246,23 @@ class ComputeConfig(_Section):
         "none",
         description="Activation checkpointing: none; selective (attention recomputed); full (whole blocks).",
     )
+    recompute_every: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "Recompute only every N-th block (blocks 0, N, 2N, …; the others keep all their activations), as "
+            "torchtitan's per-layer selective checkpointing; 1: every block."
+        ),
+    )
     compile: bool = Field(False, description="torch.compile each transformer block.")
     kernels: Literal["auto", "triton", "torch"] = Field(
         "auto", description="Fused Triton kernels (auto: on CUDA) or plain torch."
     )
+
+    def recomputes_block(self, index: int) -> bool:
+        """Whether the block at this index of the whole model recomputes (compute.recompute_every)."""
+        return self.recompute != "none" and index % self.recompute_every == 0
 
 
 class OptimizerConfig(_Section):
@@ -841,6 +854,10 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
         refuse("model.seq_len", f"must be divisible by {split} ({reasons})")
     _pipeline_errors(config, refuse)
     _sharding_errors(config, refuse)
+    if config.compute.recompute_every > 1 and config.compute.recompute == "none":
+        refuse("compute.recompute_every", "needs compute.recompute 'full' or 'selective' (which blocks recompute what)")
+    elif config.compute.recompute_every > model.layers:
+        refuse("compute.recompute_every", f"must be at most model.layers={model.layers}")
     if config.compute.compile and parallel.tp > 1 and config.compute.recompute == "selective":
         refuse(
             "compute.compile",

@@ -399,3 +399,16 @@ def test_an_even_pipeline_split_exports_without_accounting_for_the_embedding():
     config = config_of(INTERLEAVED)
     assert "--account-for-embedding-in-pipeline-split" not in megatron(config)
     assert megatron(config)["--num-layers-per-virtual-pipeline-stage"] == "10"
+
+
+def test_recomputing_every_nth_block_exports_as_torchtitans_per_layer_checkpointing_and_megatron_refuses_it():
+    config = config_of(INTERLEAVED, compute={"recompute": "full", "recompute_every": 2})
+    checkpointing = tomllib.loads(to_torchtitan_toml(config))["activation_checkpoint"]
+    assert checkpointing == {"mode": "selective", "selective_ac_option": "2"}
+    with pytest.raises(ExportError) as refused:
+        to_megatron_args(config)
+    assert "compute.recompute_every" in refused.value.errors
+    selective = config_of(INTERLEAVED, compute={"recompute": "selective", "recompute_every": 2})
+    with pytest.raises(ExportError) as refused:
+        to_torchtitan_toml(selective)
+    assert "compute.recompute_every" in refused.value.errors

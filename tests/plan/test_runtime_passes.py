@@ -136,3 +136,26 @@ def test_the_megatron_export_of_a_llama_keeps_flash_attentions_logsumexp_and_swi
     # Norm and QKV inputs, Q and K, V, projection input, MLP norm and input, gate and up, their product; no dropout.
     per_layer = (2 * (sbh + sbh + sbh + sbkv + sbkv + sbh + sbh + sbh + 2 * sbf + sbf) + 4 * sba) / t
     assert megatron_activations(llama, parallel, "flash") == pytest.approx(LAYERS * per_layer)
+
+
+def test_recomputing_every_second_block_keeps_full_activations_in_the_others():
+    def kept(recompute, every=1):
+        doc = document(recompute=recompute)
+        doc["compute"]["recompute_every"] = every
+        return next(t.value for t in estimate(doc, CLUSTER).memory[0].terms if t.name == "activations")
+
+    full, none = kept("full") / LAYERS, kept("none") / LAYERS
+    assert kept("full", every=2) == pytest.approx(2 * full + 2 * none)
+    assert kept("full", every=4) == pytest.approx(full + 3 * none)
+
+
+def test_recomputing_every_second_block_repeats_half_the_blocks_forward():
+    def compute_every(every):
+        doc = document(recompute="full")
+        doc["compute"]["recompute_every"] = every
+        return stages_compute(Layout(parse_config(doc, runnable=False)), parse_cluster(CLUSTER), [0])
+
+    every_block, every_second = compute_every(1), compute_every(2)
+    assert every_second.recompute.total_s == pytest.approx(every_block.recompute.total_s / 2)
+    assert every_second.recompute_flops == pytest.approx(every_block.recompute_flops / 2)
+    assert every_second.forward.total_s == every_block.forward.total_s

@@ -98,6 +98,17 @@ def test_layout_rules_name_the_field_and_the_valid_choices(parallel, model, fiel
     assert message in errors[field], errors
 
 
+def test_recomputing_every_nth_block_needs_a_recompute_mode_and_that_many_blocks():
+    assert (
+        "needs compute.recompute 'full' or 'selective'"
+        in errors_of({"compute": {"recompute_every": 2}})["compute.recompute_every"]
+    )
+    too_sparse = {"model": {"layers": 4}, "compute": {"recompute": "full", "recompute_every": 5}}
+    assert errors_of(too_sparse) == {"compute.recompute_every": "must be at most model.layers=4"}
+    config = parse_config({"model": {"layers": 4}, "compute": {"recompute": "selective", "recompute_every": 2}})
+    assert [config.compute.recomputes_block(index) for index in range(4)] == [True, False, True, False]
+
+
 def test_a_valid_three_dimensional_layout_counts_its_ranks():
     config = parse_config({"parallel": {"pp": 2, "dp_shard": 2, "tp": 2, "microbatches": 2}})
     assert config.parallel.world_size == 8 and config.parallel.data_parallel == 2

@@ -18,13 +18,20 @@ STEPS = 4
 GLOBAL_BATCH = 8
 
 
-def layout(micro_batch_divisor: int = 1, recompute: str = "none", compile: bool = False, **parallel) -> dict:
+def layout(
+    micro_batch_divisor: int = 1, recompute: str = "none", compile: bool = False, recompute_every: int = 1, **parallel
+) -> dict:
     """A tiny fp32 run whose global batch is GLOBAL_BATCH whatever the data-parallel degree."""
     return {
         "steps": STEPS,
         "model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 32},
         "parallel": parallel,
-        "compute": {"precision": "fp32", "recompute": recompute, "compile": compile},
+        "compute": {
+            "precision": "fp32",
+            "recompute": recompute,
+            "compile": compile,
+            "recompute_every": recompute_every,
+        },
         "optimizer": {"lr": 3e-3, "warmup_steps": 1},
         "data": {"micro_batch": GLOBAL_BATCH // micro_batch_divisor, "corpus_bytes": 200_000},
         "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60},
@@ -52,6 +59,7 @@ LAYOUTS = {
     "pp3_1f1b_uneven": layout(pp=3, pp_schedule="1F1B", microbatches=4),
     "pp2xdp2xtp2": layout(2, pp=2, dp_shard=2, tp=2, microbatches=2),
     "fsdp2_full_recompute": layout(2, dp_shard=2, recompute="full"),
+    "pp2_full_recompute_every_2nd_block": layout(pp=2, recompute="full", recompute_every=2, microbatches=2),
     "tp2_selective_recompute": layout(tp=2, recompute="selective"),
     "fsdp2_compiled_blocks": layout(2, dp_shard=2, compile=True),
     "dp2xtp2_compiled_blocks": layout(2, dp_shard=2, tp=2, compile=True),

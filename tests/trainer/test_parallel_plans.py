@@ -54,6 +54,10 @@ def test_recompute_wraps_blocks_or_attention_and_keeps_parameter_names():
     tokens = torch.randint(0, 256, (2, 16))
     full(tokens, tokens).backward()
     assert all(parameter.grad is not None for parameter in full.parameters())
+    every_other = Transformer(config.model_copy(update={"layers": 4}))
+    apply_recompute(every_other, "full", every=2)
+    wrapped = [name for name, block in every_other.blocks.items() if isinstance(block, CheckpointWrapper)]
+    assert wrapped == ["0", "2"]
 
 
 def test_blocks_that_stages_do_not_divide_count_the_embedding_and_output_as_a_block_each():

@@ -24,19 +24,21 @@ from trainer.model import Transformer
 from .recompute import apply_recompute
 
 
-def recompute_and_compile(part: Transformer, recompute: str, compile: bool, tensor_parallel: bool) -> None:
+def recompute_and_compile(
+    part: Transformer, recompute: str, compile: bool, tensor_parallel: bool, every: int = 1
+) -> None:
     if not compile:
-        apply_recompute(part, recompute)
+        apply_recompute(part, recompute, every)
         return
     if tensor_parallel and part.embedding is not None:
         part.embedding.register_forward_hook(_settled)
     checkpoint_compiled_code = tensor_parallel and recompute == "full"
     if not checkpoint_compiled_code:
-        apply_recompute(part, recompute)
+        apply_recompute(part, recompute, every)
     for block in part.blocks.values():
         block.compile()
     if checkpoint_compiled_code:
-        apply_recompute(part, recompute)
+        apply_recompute(part, recompute, every)
 
 
 def _settled(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:

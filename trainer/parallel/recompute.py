@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from trainer.config import ComputeConfig
 from trainer.model import Transformer
 
 
-def apply_recompute(model: Transformer, mode: str) -> None:
+def apply_recompute(model: Transformer, mode: str, every: int = 1) -> None:
     """full: keep only each block's input, recompute the block in backward. selective: recompute
-    only attention (its activations grow with the sequence; the MLP's are cheap to keep).
+    only attention (its activations grow with the sequence; the MLP's are cheap to keep). With every
+    N > 1 only blocks 0, N, 2N, … do; the others keep everything.
     The wrapper strips its own prefix from state-dict keys, so checkpoints keep their names."""
-    if mode == "none":
-        return
+    compute = ComputeConfig(recompute=mode, recompute_every=every)
     for name, block in list(model.blocks.items()):
+        if not compute.recomputes_block(int(name)):
+            continue
         if mode == "full":
             model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
         else:

@@ -26,7 +26,7 @@ from trainer.config import ModelConfig
 from trainer.plan.hardware import ClusterSpec
 from trainer.plan.kernel_time import attention_seconds, gemm_seconds, memory_seconds
 from trainer.plan.layout import Layout
-from trainer.plan.parameters import ParameterTensor, block_tensors, held_layers, held_tensors
+from trainer.plan.parameters import ParameterTensor, block_tensors, held_layers, held_tensors, recomputed_layers
 from trainer.plan.passes import block_pass_bytes
 
 # The final norm reads and writes the hidden state (a block's passes: trainer.plan.passes); backward moves about
@@ -264,6 +264,8 @@ def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> R
         attention_linear[1] + mlp_linear[1] + core_backward + block_memory * BACKWARD_MEMORY_FACTOR
     ) * layers
     weight_gradients = (attention_linear[2] + mlp_linear[2]) * layers
+    # With compute.recompute_every N > 1 only every N-th block recomputes: a share of the layers' repeated work.
+    share = recomputed_layers(model, layout.total_stages, stages, layout.config.compute) / layers if layers else 0.0
     if recompute == "full":
         repeated, recomputed = forward_flops, forward
     elif recompute == "selective" and layout.runtime == "megatron":
@@ -280,6 +282,7 @@ def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> R
         recomputed = (attention_linear[0] + core + pricer.memory_bytes(tokens * passes.attention)) * layers
     else:
         repeated, recomputed = 0.0, KernelTime()
+    repeated, recomputed = repeated * share, recomputed * share
     if holds_output:
         output = pricer.linear([Product("output", model.dim, model.vocab / tp, tokens)])
         logits = tokens * model.vocab / tp * 4 / pricer.activation_bytes

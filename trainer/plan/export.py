@@ -190,6 +190,9 @@ def torchtitan_training(config: RunConfig) -> list[tuple[str, object]]:
 
 def torchtitan_recompute(config: RunConfig) -> tuple[list[str], list[tuple[str, object]]]:
     mode = config.compute.recompute
+    if config.compute.recompute_every > 1:
+        # torchtitan's "selective layer" checkpointing: every N-th block whole.
+        return [], [("mode", "selective"), ("selective_ac_option", str(config.compute.recompute_every))]
     if mode != "selective":
         return [], [("mode", mode)]
     note = (
@@ -227,6 +230,10 @@ def torchtitan_refusals(config: RunConfig) -> None:
         "model.rope_scaling": (
             model.rope_scaling is not None,
             "not mapped to the flavor a torchtitan job registers; export a model without it (null)",
+        ),
+        "compute.recompute_every": (
+            config.compute.recompute_every > 1 and config.compute.recompute != "full",
+            "torchtitan's per-layer checkpointing recomputes whole blocks; use recompute full, or recompute_every 1",
         ),
     }
     refuse(reasons)
@@ -322,6 +329,10 @@ def megatron_refusals(config: RunConfig) -> None:
             "or ZeRO-1 (its distributed optimizer shards per replica)",
         ),
         "optimizer.offload": (config.optimizer.offload, "not mapped to Megatron-LM's optimizer offload; use false"),
+        "compute.recompute_every": (
+            config.compute.recompute_every > 1,
+            "Megatron-LM recomputes uniform groups or the first blocks of each stage, not every N-th block; use 1",
+        ),
         "model.rope_scaling": (
             config.model.rope_scaling is not None,
             "not mapped to Megatron-LM's RoPE scaling flags; export a model without it (null)",

@@ -28,7 +28,14 @@ from trainer.plan.activations import (
     torchtitan_per_op_layer,
 )
 from trainer.plan.layout import PLACEMENT, Layout
-from trainer.plan.parameters import ParameterTensor, held_layers, local_elements, rank_holding, stages_of_rank
+from trainer.plan.parameters import (
+    ParameterTensor,
+    held_layers,
+    local_elements,
+    rank_holding,
+    recomputed_layers,
+    stages_of_rank,
+)
 from trainer.plan.terms import Term, count, total
 
 GIB = 2**30
@@ -252,17 +259,19 @@ def layer_tensors(layout: Layout, shape: Shape) -> list[SavedTensor]:
     )
 
 
-def layer_activation_bytes(layout: Layout) -> float:
-    """What one block keeps for one microbatch on a rank of this layout."""
+def layer_activation_bytes(layout: Layout, recompute: str | None = None) -> float:
+    """What one block keeps for one microbatch on a rank of this layout (under `recompute`, by default the
+    layout's own mode)."""
     parallel = layout.parallel
     tensors = layer_tensors(layout, Shape.of(layout.model, layout.local_seq, layout.micro_seqs))
     sequence_parallel = parallel.sequence_parallel and parallel.tp > 1
-    return layer_bytes(tensors, layout.config.compute.recompute, parallel.tp, sequence_parallel)
+    return layer_bytes(tensors, recompute or layout.config.compute.recompute, parallel.tp, sequence_parallel)
 
 
 def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
     """Kept activations of every layer the rank holds, times the microbatches in flight, plus the
-    last stage's logits."""
+    last stage's logits. With compute.recompute_every N > 1 only every N-th block recomputes; the
+    others keep what they keep without recompute."""
     model, parallel = layout.model, layout.parallel
     shape = Shape.of(model, layout.local_seq, layout.micro_seqs)
     tensors = layer_tensors(layout, shape)
@@ -273,14 +282,24 @@ def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
     per_layer = layer_activation_bytes(layout)
     mode = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}[recompute]
     parts = " + ".join(f"{t.symbol}·{t.bytes_per_element:g}B" for t in kept(tensors, recompute))
-    terms = [
-        Term(
-            "activations",
-            per_layer * layers * held,
+    shape_text = f"s={shape.s}, b={shape.b}, h={shape.h}, t={tp}{', SP' if sp else ''}"
+    every = layout.config.compute.recompute_every
+    if every == 1:
+        value = per_layer * layers * held
+        formula = (
             f"{count(layers)} layers × {count(held)} microbatches in flight × {count(round(per_layer))} B/layer"
-            f" ({mode}, s={shape.s}, b={shape.b}, h={shape.h}, t={tp}{', SP' if sp else ''}: {parts})",
+            f" ({mode}, {shape_text}: {parts})"
         )
-    ]
+    else:
+        recomputed = recomputed_layers(model, layout.total_stages, stages, layout.config.compute)
+        whole = layer_activation_bytes(layout, "none")
+        value = (per_layer * recomputed + whole * (layers - recomputed)) * held
+        formula = (
+            f"({count(recomputed)} layers × {count(round(per_layer))} B ({mode}, every {every}th block) + "
+            f"{count(layers - recomputed)} × {count(round(whole))} B (no recompute)) × {count(held)} microbatches "
+            f"in flight ({shape_text})"
+        )
+    terms = [Term("activations", value, formula)]
     if layout.total_stages - 1 in stages:
         terms.append(logits_term(layout, held))
     return terms

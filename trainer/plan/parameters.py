@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from functools import partial
 
-from trainer.config import V_SCHEDULES, ModelConfig, ParallelConfig
+from trainer.config import V_SCHEDULES, ComputeConfig, ModelConfig, ParallelConfig
 from trainer.pipeline_split import stage_block_counts, stage_blocks
 
 
@@ -78,6 +78,13 @@ def held_layers(model: ModelConfig, total_stages: int, stages: list[int]) -> int
     """Blocks these pipeline stages hold between them (trainer.pipeline_split)."""
     counts = stage_block_counts(model.layers, total_stages)
     return sum(counts[stage] for stage in stages)
+
+
+def recomputed_layers(model: ModelConfig, total_stages: int, stages: list[int], compute: ComputeConfig) -> int:
+    """Blocks of these stages that recompute (all of them unless compute.recompute_every says every N-th)."""
+    return sum(
+        compute.recomputes_block(index) for stage in stages for index in stage_blocks(model.layers, total_stages, stage)
+    )
 
 
 def embedding_tensor(model: ModelConfig) -> ParameterTensor:

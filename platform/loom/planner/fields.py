@@ -34,7 +34,17 @@ DESIGN_SECTIONS = [
         ],
     ),
     ("Parallelism", [*PARALLEL_PATHS, "parallel.zero_stage", "parallel.ep"]),
-    ("Compute and data", ["compute.precision", "compute.recompute", "data.micro_batch", "data.global_batch", "steps"]),
+    (
+        "Compute and data",
+        [
+            "compute.precision",
+            "compute.recompute",
+            "compute.recompute_every",
+            "data.micro_batch",
+            "data.global_batch",
+            "steps",
+        ],
+    ),
     ("Cluster", list(CLUSTER_LABELS)),
 ]
 

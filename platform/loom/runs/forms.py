@@ -36,6 +36,7 @@ CONFIG_LABELS = {
     "parallel.ep": "Expert parallel",
     "compute.precision": "Precision",
     "compute.recompute": "Activation recompute",
+    "compute.recompute_every": "Recompute every N-th block",
     "optimizer.lr": "Learning rate",
     "optimizer.warmup_steps": "Warmup steps",
     "data.micro_batch": "Micro-batch (sequences per data-parallel rank)",
