@@ -28,7 +28,7 @@ HIDDEN_SIZES = (1024, 2048, 2304, 3072, 4096, 5120, 6144, 8192, 12288, 16384, 20
 TP_DEGREES = (1, 2, 4, 8)
 TOKENS = (2048, 8192, 16384)
 FP8_TOKENS = (4096, 16384)
-# (batch, heads, sequence, head_dim) for attention forward+backward through SDPA (flash on Hopper).
+# (batch, heads, sequence, head_dim) for attention forward+backward through SDPA, per backend.
 ATTENTION_SHAPES = ((1, 16, 2048, 128), (4, 32, 2048, 128), (1, 64, 4096, 128), (2, 8, 8192, 128), (1, 12, 2048, 64))
 DRY_RUN_HIDDEN, DRY_RUN_TP, DRY_RUN_TOKENS = (64, 128), (1, 2), (32,)
 # Keep each shape's timing near this many seconds of GPU time, at least MIN_REPEATS products.
@@ -132,35 +132,47 @@ def fp8_sweep(device, hidden_sizes, tp_degrees, token_counts, peak_fp8, deadline
     return rows
 
 
-def attention_sweep(device, shapes, peak) -> list[dict]:
+def attention_sweep(device, shapes, peak, backends: tuple[str, ...]) -> list[dict]:
     """Causal SDPA forward+backward: the FLOPs it does (4·b·h·s²·d forward, 2.5× that backward, halved for the
-    causal mask) per second, and as a fraction of the matmul peak."""
+    causal mask) per second, and as a fraction of the matmul peak; with SDPA's own choice of kernel ("default")
+    and with each named backend forced (FLASH_ATTENTION is FlashAttention-2, CUDNN_ATTENTION cuDNN's fused
+    attention): the planner prices the two apart, and the default row says which one loom's trainer gets."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
-    for batch, heads, seq, head_dim in shapes:
-        q, k, v = (
-            torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
-        )
-        upstream = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
+    for backend in backends:
+        for batch, heads, seq, head_dim in shapes:
+            q, k, v = (
+                torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+                for _ in range(3)
+            )
+            upstream = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
 
-        def step(q=q, k=k, v=v, upstream=upstream):
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            out.backward(upstream)
+            def step(q=q, k=k, v=v, upstream=upstream, backend=backend):
+                with sdpa_backend(backend):
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out.backward(upstream)
 
-        flops = 3.5 * 4 * batch * heads * seq * seq * head_dim / 2
-        seconds = time_s(step, flops, device, peak)
-        rows.append(
-            {
-                "batch": batch,
-                "heads": heads,
-                "seq": seq,
-                "head_dim": head_dim,
-                "seconds": seconds,
-                "flops_per_s": flops / seconds,
-                "efficiency": flops / seconds / peak,
-            }
-        )
+            flops = 3.5 * 4 * batch * heads * seq * seq * head_dim / 2
+            row = {"backend": backend, "batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim}
+            try:
+                seconds = time_s(step, flops, device, peak)
+            except RuntimeError as error:
+                # A backend this GPU, dtype or build does not run refuses the call; the row says why.
+                rows.append({**row, "error": str(error).splitlines()[0][:200]})
+                continue
+            rows.append(
+                {**row, "seconds": seconds, "flops_per_s": flops / seconds, "efficiency": flops / seconds / peak}
+            )
     return rows
+
+
+def sdpa_backend(name: str):
+    """SDPA restricted to one backend by its torch.nn.attention.SDPBackend name; "default" leaves SDPA's choice."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return nullcontext() if name == "default" else sdpa_kernel(getattr(SDPBackend, name))
 
 
 def copy_bandwidth(device, elements: int) -> dict:
@@ -212,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     result["fp8"] = (
         fp8_sweep(device, shapes[0], shapes[1], fp8_tokens, gpu.peak_fp8_flops, fp8_deadline) if has_fp8 else []
     )
-    result["attention"] = attention_sweep(device, attention, gpu.peak_bf16_flops)
+    backends = ("default", "MATH") if args.dry_run else ("default", "FLASH_ATTENTION", "CUDNN_ATTENTION")
+    result["attention"] = attention_sweep(device, attention, gpu.peak_bf16_flops, backends)
     result["copy"] = copy_bandwidth(device, elements)
     result["seconds"] = time.perf_counter() - started
     args.output.write_text(json.dumps(result, indent=1))
@@ -243,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             f"min {min(ratios):.2f}x, max {max(ratios):.2f}x over {len(ratios)} products"
         )
     for row in result["attention"]:
-        print(
-            f"attention b{row['batch']} h{row['heads']} s{row['seq']} d{row['head_dim']}: "
-            f"{row['flops_per_s'] / 1e12:.0f} TFLOP/s ({row['efficiency']:.3f} of peak)"
-        )
+        shape = f"attention {row['backend']} b{row['batch']} h{row['heads']} s{row['seq']} d{row['head_dim']}"
+        if "error" in row:
+            print(f"{shape}: not run ({row['error']})")
+        else:
+            print(f"{shape}: {row['flops_per_s'] / 1e12:.0f} TFLOP/s ({row['efficiency']:.3f} of peak)")
     print(f"copy: {result['copy']['bytes_per_s'] / 1e12:.2f} TB/s read+written")
     print(f"gemm_sweep: {len(result['bf16'])} bf16 + {len(result['fp8'])} fp8 products in {result['seconds']:.1f} s")
     return 0
