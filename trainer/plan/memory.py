@@ -315,12 +315,21 @@ def logits_term(layout: Layout, held: float) -> Term:
             f"chunked: one chunk of logits ≈ the hidden states, (e + 4 B fp32) × s·b·h = {e + 4} × {count(rows_vocab)}",
         )
     logits = s * b * model.vocab / layout.parallel.tp
-    kept_bytes, transient = 4 * logits * held, (e + 4) * logits
+    kept_bytes = 4 * logits * held
+    if layout.runtime == "megatron":
+        # Its fused vocab-parallel cross-entropy turns the kept softmax into the gradient in place.
+        transient, what = (e + 4) * logits, f"logits and their fp32 gradient ({e + 4} B × s·b·V/t)"
+    else:
+        # PyTorch's cross_entropy on fp32 logits: forward holds the logits, their fp32 copy and the log-probabilities
+        # (e + 4 B besides what is kept); backward, the log-probabilities' gradient and the logits' (8 B), once the
+        # logits themselves are gone.
+        transient = max(e + 4, 8) * logits
+        what = f"in backward the fp32 gradients of the log-probabilities and the logits ({max(e + 4, 8)} B × s·b·V/t)"
     return Term(
         "logits and cross-entropy",
         kept_bytes + transient,
-        f"fp32 log-probabilities kept per microbatch in flight (4 B × s·b·V/t × {count(held)}) + logits "
-        f"and their fp32 gradient ({e + 4} B × s·b·V/t), s·b·V/t = {count(logits)}",
+        f"fp32 log-probabilities kept per microbatch in flight (4 B × s·b·V/t × {count(held)}) + {what}, "
+        f"s·b·V/t = {count(logits)}",
     )
 
 
@@ -420,13 +429,23 @@ def gradients_fill_as_activations_free(layout: Layout) -> bool:
     accumulation, no data-parallel buckets or FSDP reductions, no other microbatch's), so the blocks'
     gradients appear only as backward frees their activations (measured on an H200: the peak runs one
     gradient's size under activations + every gradient)."""
-    parallel = layout.parallel
-    return (
-        parallel.data_parallel_path == "none"
-        and parallel.zero == 0
-        and parallel.pp == 1
-        and layout.accumulation_steps == 1
-    )
+    return one_replica_one_stage(layout.parallel) and layout.accumulation_steps == 1
+
+
+def one_replica_one_stage(parallel) -> bool:
+    return parallel.data_parallel_path == "none" and parallel.zero == 0 and parallel.pp == 1
+
+
+def output_layer_gradient_bytes(layout: Layout) -> float:
+    """The gradients of the output layer (and the final norm), the first backward computes."""
+    model = layout.model
+    per_element = 4 if layout.keeps_fp32_master_parameters else 2
+    return per_element * (model.vocab * model.dim + model.dim) / layout.parallel.tp
+
+
+def gradients_held_at_the_peak(gradients: float, freed: float, first: float) -> float:
+    """max(the output layer's gradients, all gradients − what backward frees)."""
+    return max(min(first, gradients), gradients - freed)
 
 
 def gradients_at_the_peak(layout: Layout, terms: list[Term]) -> list[Term]:
@@ -435,10 +454,8 @@ def gradients_at_the_peak(layout: Layout, terms: list[Term]) -> list[Term]:
     backward, the activations gone. Either way the terms sum to params + optimizer + max(A + G_out, G)."""
     gradients = next(term for term in terms if term.name == "gradients")
     freed = sum(term.value for term in terms if term.name in FREED_IN_BACKWARD)
-    model = layout.model
-    per_element = 4 if layout.keeps_fp32_master_parameters else 2
-    first = per_element * (model.vocab * model.dim + model.dim) / layout.parallel.tp
-    value = max(min(first, gradients.value), gradients.value - freed)
+    first = output_layer_gradient_bytes(layout)
+    value = gradients_held_at_the_peak(gradients.value, freed, first)
     formula = (
         f"one replica, one pass: backward frees each block's activations as its gradients appear, so the peak "
         f"holds max(the output layer's gradients, all gradients − what backward frees) = "

@@ -104,12 +104,16 @@ from trainer.plan.estimate import (
 from trainer.plan.hardware import GIB, ClusterSpec
 from trainer.plan.layout import Layout
 from trainer.plan.memory import (
+    FREED_IN_BACKWARD,
     StateElements,
     buffer_terms,
+    gradients_held_at_the_peak,
     in_flight_microbatches,
     layer_activation_bytes,
     logits_term,
     model_state_terms,
+    one_replica_one_stage,
+    output_layer_gradient_bytes,
     outside_allocator_terms,
     pipeline_buffer_term,
     reserved_bytes,
@@ -613,13 +617,24 @@ class Pricer:
         # The residual stream's dtype, and so the activations, depend on whether FSDP holds the parameters.
         activations_by_sharding: dict[bool, list[float]] = {}
         fits, kept, leanest = [], [], None
+        one_pass = self.space.global_batch // micro_batch == 1
         for state in states:
-            choice, state_bytes, optimizer_s = state
+            choice, state_bytes, optimizer_s, fill = state
             layout = Candidate(tp, cp, pp, pipeline, choice, recompute, micro_batch)
             sharded = fully_shards(layout)
             if sharded not in activations_by_sharding:
                 activations_by_sharding[sharded] = self._activation_bytes(layout)
-            peak = reserved_bytes(max(map(add, state_bytes, activations_by_sharding[sharded])))
+            if fill and one_pass:
+                # One replica, one pass, one stage: the gradients fill in as backward frees the activations.
+                (activations,), (held,), (gradients, copies, first) = (
+                    activations_by_sharding[sharded],
+                    state_bytes,
+                    fill,
+                )
+                at_peak = gradients_held_at_the_peak(gradients, activations + copies, first)
+                peak = reserved_bytes(held - gradients + at_peak + activations)
+            else:
+                peak = reserved_bytes(max(map(add, state_bytes, activations_by_sharding[sharded])))
             device = peak + self._outside_allocator_bytes(layout)
             if device <= self.capacity:
                 if choice.ep not in busiest_by_ep:
@@ -634,16 +649,18 @@ class Pricer:
             self.leanest = (leanest[0], candidate._replace(data=leanest[1]))
         return fits, kept
 
-    def _data_states(self, candidate: Candidate, data: list[DataChoice]) -> list[tuple[DataChoice, list[float], float]]:
-        """(choice, model-state bytes per pipeline rank, optimizer seconds) for each data choice."""
+    def _data_states(self, candidate: Candidate, data: list[DataChoice]) -> list[tuple]:
+        """(choice, model-state bytes per pipeline rank, optimizer seconds, what the gradients at the peak
+        need or None) for each data choice."""
         key = (candidate.tp, candidate.cp, candidate.pp, self._placement(candidate).signatures, tuple(data))
         if key not in self._data_states_of:
             self._data_states_of[key] = [(choice, *self._states_of(candidate, choice)) for choice in data]
         return self._data_states_of[key]
 
-    def _states_of(self, candidate: Candidate, choice: DataChoice) -> tuple[list[float], float]:
-        """`model_state_terms` + `buffer_terms` per pipeline rank, and `optimizer_seconds` of the rank
-        that updates most parameters (as `optimizer_term` takes it), of the candidate with this data choice."""
+    def _states_of(self, candidate: Candidate, choice: DataChoice) -> tuple[list[float], float, tuple | None]:
+        """`model_state_terms` + `buffer_terms` per pipeline rank, `optimizer_seconds` of the rank that
+        updates most parameters (as `optimizer_term` takes it), and for one replica on one stage what
+        `gradients_at_the_peak` needs, of the candidate with this data choice."""
         key = (
             self._placement(candidate).signatures,
             candidate.tp,
@@ -657,15 +674,23 @@ class Pricer:
             candidate = candidate._replace(data=choice)
             layout = self._layout(candidate)
             by_signature = {}
+            fill = None
             for rank in self._placement(candidate).distinct:
                 elements = self._elements_of(candidate, rank)
-                state_bytes = total(model_state_terms(layout, elements) + buffer_terms(layout, rank, elements))
+                terms = model_state_terms(layout, elements)
+                state_bytes = total(terms + buffer_terms(layout, rank, elements))
                 by_signature[self._holding(candidate, rank).signature] = (state_bytes, elements.optimizer)
+                if one_replica_one_stage(layout.parallel):
+                    # `gradients_at_the_peak`'s parts: the gradients, what else backward frees besides the
+                    # activations (the autocast copies), the output layer's gradients.
+                    gradients = sum(term.value for term in terms if term.name == "gradients")
+                    copies = sum(term.value for term in terms if term.name in FREED_IN_BACKWARD)
+                    fill = (gradients, copies, output_layer_gradient_bytes(layout))
             optimizer_s = optimizer_seconds(
                 max(optimizer for _, optimizer in by_signature.values()), layout, self.cluster
             )
             state_bytes = [by_signature[signature][0] for signature in self._placement(candidate).signatures]
-            self._states[key] = (state_bytes, optimizer_s)
+            self._states[key] = (state_bytes, optimizer_s, fill)
         return self._states[key]
 
     def _elements_of(self, candidate: Candidate, rank: int) -> StateElements:
