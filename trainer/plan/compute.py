@@ -5,14 +5,16 @@ N every parameter a token is multiplied with (the input embedding is a lookup an
 count; MoE layers count their top_k experts), S the sequence length. Forward is a third of it,
 backward two thirds (half for input gradients, half for weight gradients). Hardware FLOPs add
 what recompute repeats: the attention sub-block's forward (loom's selective), the attention core's
-(Megatron's selective) or every block's (full).
+(Megatron's selective), every other matrix product and every memory-bound pass (torchtitan's per-op selective) or
+every block's (full), in every N-th block only with compute.recompute_every.
 
 Compute time is the sum of the rank's kernels (trainer.plan.kernel_time), one microbatch at a time:
 every linear layer's three products from its local shapes (forward, input gradient, weight gradient;
 Megatron fuses q/k/v and the MLP's gate and up projections into one product each, loom's trainer runs
 them apart), flash attention on its causal FLOPs, and the memory-bound passes around them (norms,
-residual additions, rotary embeddings, the MLP's activation, the loss's logits), which sequence
-parallelism splits over the tp ranks and which otherwise every tp rank repeats. fp32 runs its products
+residual additions, rotary embeddings, the MLP's activation, the loss's logits; fused or op by op as the runtime
+runs them, trainer.plan.passes), which sequence parallelism splits over the tp ranks and which otherwise every tp
+rank repeats. fp32 runs its products
 without tensor cores (PyTorch leaves TF32 off; measured on an H200: a 350M model's fp32 step took 2.4
 times its bf16 step at a quarter of the tokens); fp8 runs the blocks' linear layers at the fp8 rate, plus
 their casts, and everything else as bf16.
