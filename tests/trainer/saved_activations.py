@@ -71,7 +71,7 @@ def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str,
         apply_tensor_parallel(model, ParallelMesh(config.parallel, tp, "cpu")["tp"], sequence_parallel, False)
     else:
         model.use_kernels(kernels_for("triton", torch.device("cpu")))
-    apply_recompute(model, recompute)
+    apply_recompute(model, config.compute)
     parameters = {storage_key(parameter)[0] for parameter in model.parameters()}
     # A weight's autocast copy, or its transpose as a linear layer saves it.
     weight_shapes = {

@@ -39,15 +39,15 @@ def test_layers_are_split_evenly_and_in_order():
 def test_recompute_wraps_blocks_or_attention_and_keeps_parameter_names():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from trainer.config import ModelConfig
+    from trainer.config import ComputeConfig, ModelConfig
     from trainer.model import Transformer
     from trainer.parallel.recompute import apply_recompute
 
     config = ModelConfig(layers=2, dim=32, heads=4, kv_heads=2, ffn=64, seq_len=16)
     names = set(Transformer(config).state_dict())
     full, selective = Transformer(config), Transformer(config)
-    apply_recompute(full, "full")
-    apply_recompute(selective, "selective")
+    apply_recompute(full, ComputeConfig(recompute="full"))
+    apply_recompute(selective, ComputeConfig(recompute="selective"))
     assert all(isinstance(block, CheckpointWrapper) for block in full.blocks.values())
     assert all(isinstance(block.attention, CheckpointWrapper) for block in selective.blocks.values())
     assert set(full.state_dict()) == names == set(selective.state_dict())
@@ -55,7 +55,7 @@ def test_recompute_wraps_blocks_or_attention_and_keeps_parameter_names():
     full(tokens, tokens).backward()
     assert all(parameter.grad is not None for parameter in full.parameters())
     every_other = Transformer(config.model_copy(update={"layers": 4}))
-    apply_recompute(every_other, "full", every=2)
+    apply_recompute(every_other, ComputeConfig(recompute="full", recompute_every=2))
     wrapped = [name for name, block in every_other.blocks.items() if isinstance(block, CheckpointWrapper)]
     assert wrapped == ["0", "2"]
 

@@ -67,8 +67,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             apply_tensor_parallel(part, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel)
         if parallel.cp > 1:
             positions = apply_context_parallel(part, mesh["cp"]).to(device)
-        compute = config.compute
-        recompute_and_compile(part, compute.recompute, compute.compile, parallel.tp > 1, compute.recompute_every)
+        recompute_and_compile(part, config.compute, parallel.tp > 1)
         if parallel.fully_shards:
             apply_fsdp(part, mesh, parallel, param_dtype)
             wrapped.append(part)

@@ -19,26 +19,25 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from trainer.config import ComputeConfig
 from trainer.model import Transformer
 
 from .recompute import apply_recompute
 
 
-def recompute_and_compile(
-    part: Transformer, recompute: str, compile: bool, tensor_parallel: bool, every: int = 1
-) -> None:
-    if not compile:
-        apply_recompute(part, recompute, every)
+def recompute_and_compile(part: Transformer, compute: ComputeConfig, tensor_parallel: bool) -> None:
+    if not compute.compile:
+        apply_recompute(part, compute)
         return
     if tensor_parallel and part.embedding is not None:
         part.embedding.register_forward_hook(_settled)
-    checkpoint_compiled_code = tensor_parallel and recompute == "full"
+    checkpoint_compiled_code = tensor_parallel and compute.recompute == "full"
     if not checkpoint_compiled_code:
-        apply_recompute(part, recompute, every)
+        apply_recompute(part, compute)
     for block in part.blocks.values():
         block.compile()
     if checkpoint_compiled_code:
-        apply_recompute(part, recompute, every)
+        apply_recompute(part, compute)
 
 
 def _settled(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:

@@ -8,16 +8,15 @@ from trainer.config import ComputeConfig
 from trainer.model import Transformer
 
 
-def apply_recompute(model: Transformer, mode: str, every: int = 1) -> None:
+def apply_recompute(model: Transformer, compute: ComputeConfig) -> None:
     """full: keep only each block's input, recompute the block in backward. selective: recompute
-    only attention (its activations grow with the sequence; the MLP's are cheap to keep). With every
-    N > 1 only blocks 0, N, 2N, … do; the others keep everything.
+    only attention (its activations grow with the sequence; the MLP's are cheap to keep). With
+    recompute_every N > 1 only blocks 0, N, 2N, … do; the others keep everything.
     The wrapper strips its own prefix from state-dict keys, so checkpoints keep their names."""
-    compute = ComputeConfig(recompute=mode, recompute_every=every)
     for name, block in list(model.blocks.items()):
         if not compute.recomputes_block(int(name)):
             continue
-        if mode == "full":
+        if compute.recompute == "full":
             model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
             block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)

@@ -279,7 +279,7 @@ def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
     stages = stages_of_rank(parallel, pp_rank)
     layers = held_layers(model, layout.total_stages, stages)
     held = in_flight_microbatches(layout, pp_rank)
-    per_layer = layer_activation_bytes(layout)
+    per_layer = layer_bytes(tensors, recompute, tp, sp)
     mode = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}[recompute]
     parts = " + ".join(f"{t.symbol}·{t.bytes_per_element:g}B" for t in kept(tensors, recompute))
     shape_text = f"s={shape.s}, b={shape.b}, h={shape.h}, t={tp}{', SP' if sp else ''}"
