@@ -385,10 +385,7 @@ def test_a_summary_names_every_choice_that_is_not_the_default():
 
 
 def test_the_search_and_the_exporters_import_without_torch():
-    code = (
-        "import sys, trainer.plan.search, trainer.plan.export, trainer.plan.__main__; "
-        "print(sorted(name for name in ('torch', 'numpy') if name in sys.modules))"
-    )
+    code = "import sys, trainer.plan.search, trainer.plan.export, trainer.plan.__main__; print('torch' in sys.modules)"
     answer = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert answer.returncode == 0, answer.stderr
-    assert answer.stdout.strip() == "[]"
+    assert answer.stdout.strip() == "False"

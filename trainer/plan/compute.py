@@ -232,8 +232,56 @@ def unfused_attention(pricer: KernelPricer, layout: Layout, tokens: float) -> tu
     return forward, backward
 
 
-def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> RankCompute:
-    """One microbatch through these global stages (a pipeline rank's, or a single one)."""
+@dataclass(frozen=True)
+class BlockCompute:
+    """One transformer block's kernels for one microbatch on one rank: what every block a rank holds repeats."""
+
+    attention_products: list[Product]
+    mlp_products: list[Product]
+    attention_linear: tuple[KernelTime, KernelTime, KernelTime]
+    mlp_linear: tuple[KernelTime, KernelTime, KernelTime]
+    core: KernelTime
+    core_backward: KernelTime
+    memory: KernelTime
+    """The memory-bound passes' forward."""
+    attention_memory: KernelTime
+    """The attention sub-block's share of `memory`: what loom's selective recompute re-runs."""
+
+
+def block_compute(layout: Layout, cluster: ClusterSpec) -> BlockCompute:
+    """A block's kernels: it reads of the layout the tokens a rank takes in a microbatch (micro_seqs and cp), tp,
+    ep, precision, runtime and attention kernel."""
+    model = layout.model
+    tp = layout.parallel.tp
+    tokens = layout.micro_seqs * layout.local_seq
+    pricer = KernelPricer(layout, cluster)
+    block = block_tensors(model, "*")
+    attention_products = local_products([t for t in block if ".attention." in t.name], layout, tokens)
+    mlp_products = local_products([t for t in block if ".mlp." in t.name], layout, tokens)
+    if layout.attention == "unfused":
+        core, core_backward = unfused_attention(pricer, layout, tokens)
+    else:
+        core = pricer.attention(2 * tokens * model.seq_len * model.dim / tp)
+        # Flash attention's backward recomputes the scores and runs 2.5 times the forward's products.
+        core_backward = core * 2.5
+    passes = block_pass_bytes(layout)
+    return BlockCompute(
+        attention_products,
+        mlp_products,
+        pricer.linear(attention_products, in_fp8=True),
+        pricer.linear(mlp_products, in_fp8=True),
+        core,
+        core_backward,
+        pricer.memory_bytes(tokens * passes.block),
+        pricer.memory_bytes(tokens * passes.attention),
+    )
+
+
+def stages_compute(
+    layout: Layout, cluster: ClusterSpec, stages: list[int], block: BlockCompute | None = None
+) -> RankCompute:
+    """One microbatch through these global stages (a pipeline rank's, or a single one); `block` is
+    `block_compute` of the layout, computed here unless given."""
     model, parallel = layout.model, layout.parallel
     tp = parallel.tp
     tokens = layout.micro_seqs * layout.local_seq
@@ -247,23 +295,12 @@ def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> R
     head_dim = model.dim // model.heads
     recompute = layout.config.compute.recompute
     pricer = KernelPricer(layout, cluster)
-    block = block_tensors(model, "*")
-    attention_products = local_products([t for t in block if ".attention." in t.name], layout, tokens)
-    mlp_products = local_products([t for t in block if ".mlp." in t.name], layout, tokens)
-    attention_linear = pricer.linear(attention_products, in_fp8=True)
-    mlp_linear = pricer.linear(mlp_products, in_fp8=True)
-    if layout.attention == "unfused":
-        core, core_backward = unfused_attention(pricer, layout, tokens)
-    else:
-        core = pricer.attention(2 * tokens * model.seq_len * model.dim / tp)
-        # Flash attention's backward recomputes the scores and runs 2.5 times the forward's products.
-        core_backward = core * 2.5
-    passes = block_pass_bytes(layout)
-    block_memory = pricer.memory_bytes(tokens * passes.block)
+    block = block or block_compute(layout, cluster)
+    attention_linear, mlp_linear, core = block.attention_linear, block.mlp_linear, block.core
 
-    forward = (attention_linear[0] + mlp_linear[0] + core + block_memory) * layers
+    forward = (attention_linear[0] + mlp_linear[0] + core + block.memory) * layers
     input_gradients = (
-        attention_linear[1] + mlp_linear[1] + core_backward + block_memory * BACKWARD_MEMORY_FACTOR
+        attention_linear[1] + mlp_linear[1] + block.core_backward + block.memory * BACKWARD_MEMORY_FACTOR
     ) * layers
     weight_gradients = (attention_linear[2] + mlp_linear[2]) * layers
     # With compute.recompute_every N > 1 only every N-th block recomputes: a share of the layers' repeated work.
@@ -275,13 +312,13 @@ def stages_compute(layout: Layout, cluster: ClusterSpec, stages: list[int]) -> R
     elif recompute == "selective" and layout.runtime == "torchtitan":
         # Per-op selective checkpointing keeps attention's output and every other matrix product's in forward
         # order, and re-runs the rest: the other products and every memory-bound pass.
-        every_other = per_op_recomputed(attention_products + mlp_products)
+        every_other = per_op_recomputed(block.attention_products + block.mlp_products)
         repeated = layers * sum(2 * p.tokens * p.fan_in * p.fan_out * p.count for p in every_other)
-        recomputed = (pricer.linear(every_other, in_fp8=True)[0] + block_memory) * layers
+        recomputed = (pricer.linear(every_other, in_fp8=True)[0] + block.memory) * layers
     elif recompute == "selective":
         attention_matmul = layers * (2 * model.dim * model.dim + 2 * model.dim * model.kv_heads * head_dim)
         repeated = tokens * (2 * attention_matmul / tp + 4 * attention)
-        recomputed = (attention_linear[0] + core + pricer.memory_bytes(tokens * passes.attention)) * layers
+        recomputed = (attention_linear[0] + core + block.attention_memory) * layers
     else:
         repeated, recomputed = 0.0, KernelTime()
     repeated, recomputed = repeated * share, recomputed * share

@@ -20,16 +20,18 @@ and a model or precision the trainer does not run (mixture of experts, fp8) ends
 
 Every figure returned is the one `estimate()` gives the returned config (timeline=False, the
 closed-form bubble). The estimate takes about half a millisecond a layout, and Llama-3 405B on 16,384
-GPUs has about 200,000 valid layouts; the search prices them from parts computed with the estimate's
+GPUs has about 720,000 valid layouts; the search prices them from parts computed with the estimate's
 own functions once and shared by every layout that agrees on what the part reads:
 
-- model states per pipeline rank (`state_elements`, `model_state_terms`, `buffer_terms`): per what
+- model states per rank signature (`state_elements`, `model_state_terms`, `buffer_terms`): per what
   each rank holds, tp, ep, ZeRO stage, sharding ranks and resharding;
 - activations per pipeline rank (`layer_activation_bytes` × layers × microbatches in flight, `logits_term`,
   `pipeline_buffer_term`) for one sequence, times
   the micro-batch size: per tp, cp, recompute mode, layers held, loss or not, microbatches in flight;
-- FLOPs per pipeline rank (`stages_compute`): per what the rank holds, tp, cp, recompute mode and
-  sequences in a microbatch;
+- the peak memory of every pipeline choice (schedule, microbatch count) and data choice of one stage placement
+  at once, as arrays (numpy): the fullest rank of a signature is the one that keeps most activations;
+- FLOPs per pipeline rank (`stages_compute`): a block's kernels (`block_compute`) per tp, cp, ep and sequences in
+  a microbatch, times what the rank holds and its recompute mode;
 - communication (`rank_time_from`, `data_parallel_traffic`, `time_traffic`, `expose`): the pipeline's
   part per layout without its data-parallel split, the data-parallel part per split without the schedule;
 - the step time (`pipeline_seconds`, `step_seconds`, `optimizer_seconds`) and the peak memory
@@ -71,9 +73,9 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
-from operator import add
 from typing import Any, NamedTuple
 
+import numpy as np
 from pydantic import ValidationError
 
 from trainer.config import (
@@ -91,7 +93,7 @@ from trainer.config import (
 )
 from trainer.pipeline_split import splits
 from trainer.plan.communication import data_parallel_traffic, expose, groups, time_traffic
-from trainer.plan.compute import RankCompute, model_flops_per_token, stages_compute
+from trainer.plan.compute import RankCompute, block_compute, model_flops_per_token, stages_compute
 from trainer.plan.estimate import (
     RankTime,
     most_exposed_s,
@@ -496,6 +498,133 @@ class Placement:
     """Every rank's signature, in rank order."""
     distinct: list[int]
     """One rank of each signature: all that time needs, as ranks alike take as long."""
+    alike: list[list[int]]
+    """The ranks of each signature, in the order of `distinct`: ranks alike hold the same model states, so
+    the fullest of them is the one with most activations."""
+
+    @property
+    def alike_order(self) -> list[int]:
+        """Every rank, those alike together (for np.maximum.reduceat at `alike_starts`)."""
+        return [rank for ranks in self.alike for rank in ranks]
+
+    @property
+    def alike_starts(self) -> list[int]:
+        return [sum(len(ranks) for ranks in self.alike[:index]) for index in range(len(self.alike))]
+
+
+class HeldByRank(NamedTuple):
+    """What the pipeline ranks of one placement hold under each of some pipeline choices."""
+
+    layers: np.ndarray
+    """[rank]"""
+    in_flight: np.ndarray
+    """[pipeline choice, rank]: microbatches whose activations the rank holds at its peak."""
+    output_ranks: list[int]
+    """The ranks that compute the loss."""
+    micro_seqs: np.ndarray
+    """[pipeline choice, 1]: sequences in a microbatch."""
+
+
+@dataclass(frozen=True)
+class StateTable:
+    """What one stage placement's data choices hold besides activations, as arrays over the choices."""
+
+    choices: list[DataChoice]
+    state_bytes: np.ndarray
+    """[choice, signature]: `model_state_terms` + `buffer_terms` of the ranks of each signature."""
+    optimizer_s: np.ndarray
+    fills: list[tuple | None]
+    """For one replica on one stage, what `gradients_at_the_peak` needs; None otherwise."""
+    sharded: np.ndarray
+    """Whether the layout fully shards (FSDP holds the parameters)."""
+    outside: np.ndarray
+    """The CUDA context and NCCL buffers."""
+    eps: np.ndarray
+
+    @property
+    def filled(self) -> list[int]:
+        return [row for row, fill in enumerate(self.fills) if fill]
+
+
+@dataclass(frozen=True)
+class PlacementLine:
+    """One stage placement of (tp, cp, pp, micro_batch): every valid pipeline choice that places the stages so
+    (schedule and microbatch count) and every valid data choice, under every recompute mode."""
+
+    leanest: Candidate
+    """The first pipeline choice, the first data choice and full recompute."""
+    pipelines: list[PipelineChoice]
+    states: StateTable
+
+    @property
+    def schedule_index(self) -> np.ndarray:
+        """Each pipeline choice's schedule, numbered."""
+        schedules = {pipeline.schedule: index for index, pipeline in enumerate(self.pipelines)}
+        return np.array([schedules[pipeline.schedule] for pipeline in self.pipelines])
+
+    def candidate(self, mode: int, pipeline: int, choice: DataChoice) -> Candidate:
+        tp, cp, pp, _, _, _, micro_batch = self.leanest
+        return Candidate(tp, cp, pp, self.pipelines[pipeline], choice, RECOMPUTE_LEANEST_FIRST[mode], micro_batch)
+
+
+@dataclass
+class Fitting:
+    """Every fitting layout as parallel arrays: its peak bytes, a lower bound on its step time, and where it
+    is (stage placement, recompute mode, pipeline choice, data choice); a layout is built only when needed."""
+
+    lines: list[PlacementLine] = field(default_factory=list)
+    peak: np.ndarray | list = field(default_factory=list)
+    bound: np.ndarray | list = field(default_factory=list)
+    line: np.ndarray | list = field(default_factory=list)
+    mode: np.ndarray | list = field(default_factory=list)
+    pipeline: np.ndarray | list = field(default_factory=list)
+    row: np.ndarray | list = field(default_factory=list)
+    size: int = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def add(self, line: PlacementLine, mode: int, peaks, bounds, pipelines, rows) -> None:
+        if not self.lines or self.lines[-1] is not line:
+            self.lines.append(line)
+        self.peak.append(peaks)
+        self.bound.append(bounds)
+        self.line.append(np.full(len(rows), len(self.lines) - 1))
+        self.mode.append(np.full(len(rows), mode))
+        self.pipeline.append(pipelines)
+        self.row.append(rows)
+        self.size += len(rows)
+
+    def concatenated(self) -> Fitting:
+        def join(parts, dtype):
+            return np.concatenate(parts) if parts else np.empty(0, dtype)
+
+        return Fitting(
+            self.lines,
+            join(self.peak, float),
+            join(self.bound, float),
+            join(self.line, int),
+            join(self.mode, int),
+            join(self.pipeline, int),
+            join(self.row, int),
+            self.size,
+        )
+
+    def candidate(self, index: int) -> Candidate:
+        line = self.lines[self.line[index]]
+        return line.candidate(int(self.mode[index]), int(self.pipeline[index]), line.states.choices[self.row[index]])
+
+
+def first_below(values: np.ndarray, start: int, limit: float) -> int:
+    """The first index from `start` whose value is below `limit`, or len(values); it looks ahead in growing chunks."""
+    chunk = 64
+    while start < len(values):
+        hits = np.flatnonzero(values[start : start + chunk] < limit)
+        if hits.size:
+            return start + int(hits[0])
+        start += chunk
+        chunk *= 2
+    return len(values)
 
 
 class Pricer:
@@ -521,6 +650,7 @@ class Pricer:
         self._logits: dict = {}
         self._buffers: dict = {}
         self._compute: dict = {}
+        self._blocks: dict = {}
         self._bubbles: dict = {}
         self._groups: dict = {}
         self._data_parallel_traffic: dict = {}
@@ -540,11 +670,14 @@ class Pricer:
         if key not in self._placements:
             parallel = self.space.config(candidate).parallel
             holdings = [rank_holding(self.space.base.model, parallel, rank) for rank in range(candidate.pp)]
-            first_of_signature: dict[tuple, int] = {}
+            alike: dict[tuple, list[int]] = {}
             for rank, held in enumerate(holdings):
-                first_of_signature.setdefault(held.signature, rank)
+                alike.setdefault(held.signature, []).append(rank)
             self._placements[key] = Placement(
-                holdings, tuple(held.signature for held in holdings), list(first_of_signature.values())
+                holdings,
+                tuple(held.signature for held in holdings),
+                [ranks[0] for ranks in alike.values()],
+                list(alike.values()),
             )
         return self._placements[key]
 
@@ -561,105 +694,108 @@ class Pricer:
             self._outside[key] = total(outside_allocator_terms(*key))
         return self._outside[key]
 
-    def price_memory(self) -> list[tuple[float, float, Candidate]]:
-        """(peak device bytes, a lower bound on the step time, layout) of every fitting layout."""
-        fitting: list[tuple[float, float, Candidate]] = []
-        modes = len(RECOMPUTE_LEANEST_FIRST)
+    def price_memory(self) -> Fitting:
+        """Peak device bytes and a lower bound on the step time of every fitting layout."""
+        fitting = Fitting()
         for tp, cp, pp, dp, micro_batch in self.space.layouts_of_world():
             data_tried, data = self.space.data_choices(tp, cp, dp)
             pipeline_tried, pipelines = self.space.pipeline_choices(pp, micro_batch)
-            self.evaluated += data_tried * pipeline_tried * modes
-            self.valid += len(data) * sum(len(counts) for counts in pipelines.values()) * modes
+            self.evaluated += data_tried * pipeline_tried * len(RECOMPUTE_LEANEST_FIRST)
+            self.valid += len(data) * sum(len(counts) for counts in pipelines.values()) * len(RECOMPUTE_LEANEST_FIRST)
             if not data:
                 continue
+            # Schedules that place the stages alike share the model states and price their activations together.
+            placed_alike: dict[tuple, list[PipelineChoice]] = {}
             for (schedule, stages_per_rank), counts in pipelines.items():
-                leanest = Candidate(
-                    tp,
-                    cp,
-                    pp,
-                    PipelineChoice(schedule, stages_per_rank, counts[0]),
-                    data[0],
-                    RECOMPUTE_LEANEST_FIRST[0],
-                    micro_batch,
+                placed_alike.setdefault((stages_per_rank, schedule in V_SCHEDULES), []).extend(
+                    PipelineChoice(schedule, stages_per_rank, microbatches) for microbatches in counts
                 )
-                fitting += self._price_placement(leanest, counts, data)
+            for pipelines_alike in placed_alike.values():
+                leanest = Candidate(tp, cp, pp, pipelines_alike[0], data[0], "full", micro_batch)
+                self._price_placement(
+                    PlacementLine(leanest, pipelines_alike, self._data_states(leanest, data)), fitting
+                )
         self.fitting = len(fitting)
-        return fitting
+        return fitting.concatenated()
 
-    def _price_placement(self, leanest: Candidate, counts: list[int], data: list[DataChoice]):
-        """Every recompute mode and microbatch count of one stage placement, leanest first. A data
-        choice that does not fit is dropped for the rest of its line, which needs more memory: the
-        fewer microbatches of its recompute mode, and every less lean mode."""
-        states = self._data_states(leanest, data)
-        found = []
-        for recompute in RECOMPUTE_LEANEST_FIRST:
-            line = states
-            for index, microbatches in enumerate(counts):
-                candidate = leanest._replace(
-                    recompute=recompute, pipeline=leanest.pipeline._replace(microbatches=microbatches)
-                )
-                fits, line = self._fitting_data_choices(candidate, line)
-                if index == 0:
-                    states = line
-                if not fits:
-                    break
-                found += fits
-            if not states:
-                break
-        return found
+    def _price_placement(self, line: PlacementLine, fitting: Fitting) -> None:
+        """Every recompute mode, pipeline choice and data choice of one stage placement at once, leanest mode
+        first: where nothing fits under one mode, nothing fits under the modes that keep more."""
+        states = line.states
+        leanest = line.leanest
+        bubbles = np.array([self._bubble(leanest._replace(pipeline=pipeline)) for pipeline in line.pipelines])
+        one_pass = self.space.global_batch // leanest.micro_batch == 1
+        for mode, recompute in enumerate(RECOMPUTE_LEANEST_FIRST):
+            moded = leanest._replace(recompute=recompute)
+            peaks = np.empty((len(line.pipelines), len(states.choices)))
+            # The residual stream's dtype, and so the activations, depend on whether FSDP holds the parameters.
+            for sharded in (False, True):
+                rows = np.flatnonzero(states.sharded == sharded)
+                if rows.size:
+                    activations = self._activation_bytes(moded._replace(data=states.choices[rows[0]]), line.pipelines)
+                    held = states.state_bytes[rows][np.newaxis] + activations[:, np.newaxis]
+                    peaks[:, rows] = reserved_bytes(held.max(axis=2))
+            if one_pass:
+                for row in states.filled:
+                    # One replica, one pass, one stage: the gradients fill in as backward frees the activations.
+                    choice = moded._replace(data=states.choices[row])
+                    (activation,) = self._activation_bytes(choice, line.pipelines)[0]
+                    (held,), (gradients, copies, first) = states.state_bytes[row], states.fills[row]
+                    at_peak = gradients_held_at_the_peak(gradients, activation + copies, first)
+                    peaks[0, row] = reserved_bytes(held - gradients + at_peak + activation)
+            device = peaks + states.outside
+            fits = device <= self.capacity
+            if not fits.any():
+                pipeline, row = np.unravel_index(np.argmin(device), device.shape)
+                if self.leanest is None or device[pipeline, row] < self.leanest[0]:
+                    self.leanest = (float(device[pipeline, row]), line.candidate(mode, pipeline, states.choices[row]))
+                return
+            pipelines, rows = np.nonzero(fits)
+            # Before any communication that compute may hide is priced: a lower bound.
+            bounds = step_seconds(
+                pipeline_seconds(self._fewest_busy(line, moded, pipelines, rows), bubbles[pipelines]),
+                0.0,
+                0.0,
+                states.optimizer_s[rows],
+            )
+            fitting.add(line, mode, peaks[pipelines, rows], bounds, pipelines, rows)
 
-    def _fitting_data_choices(self, candidate: Candidate, states) -> tuple[list[tuple[float, float, Candidate]], list]:
-        """(peak bytes, lower bound on the step time, layout) for each data choice that fits, and
-        the states of those choices."""
-        bubble = self._bubble(candidate)
-        tp, cp, pp, pipeline, _, recompute, micro_batch = candidate
-        busiest_by_ep: dict[int, float] = {}
-        # The residual stream's dtype, and so the activations, depend on whether FSDP holds the parameters.
-        activations_by_sharding: dict[bool, list[float]] = {}
-        fits, kept, leanest = [], [], None
-        one_pass = self.space.global_batch // micro_batch == 1
-        for state in states:
-            choice, state_bytes, optimizer_s, fill = state
-            layout = Candidate(tp, cp, pp, pipeline, choice, recompute, micro_batch)
-            sharded = fully_shards(layout)
-            if sharded not in activations_by_sharding:
-                activations_by_sharding[sharded] = self._activation_bytes(layout)
-            if fill and one_pass:
-                # One replica, one pass, one stage: the gradients fill in as backward frees the activations.
-                (activations,), (held,), (gradients, copies, first) = (
-                    activations_by_sharding[sharded],
-                    state_bytes,
-                    fill,
-                )
-                at_peak = gradients_held_at_the_peak(gradients, activations + copies, first)
-                peak = reserved_bytes(held - gradients + at_peak + activations)
-            else:
-                peak = reserved_bytes(max(map(add, state_bytes, activations_by_sharding[sharded])))
-            device = peak + self._outside_allocator_bytes(layout)
-            if device <= self.capacity:
-                if choice.ep not in busiest_by_ep:
-                    busiest_by_ep[choice.ep] = self._fewest_microbatches_busy_s(layout)
-                # Before any communication that compute may hide is priced: a lower bound.
-                bound_s = step_seconds(pipeline_seconds(busiest_by_ep[choice.ep], bubble), 0.0, 0.0, optimizer_s)
-                fits.append((peak, bound_s, layout))
-                kept.append(state)
-            elif leanest is None or device < leanest[0]:
-                leanest = (device, choice)
-        if not fits and leanest and (self.leanest is None or leanest[0] < self.leanest[0]):
-            self.leanest = (leanest[0], candidate._replace(data=leanest[1]))
-        return fits, kept
+    def _fewest_busy(
+        self, line: PlacementLine, moded: Candidate, pipelines: np.ndarray, rows: np.ndarray
+    ) -> np.ndarray:
+        """`_fewest_microbatches_busy_s` of these layouts of the placement (pipeline and data choice indices),
+        computed once per schedule and ep."""
+        eps = line.states.eps[rows]
+        schedules = line.schedule_index[pipelines]
+        busy = np.empty(len(rows))
+        for schedule, ep in set(zip(schedules.tolist(), eps.tolist(), strict=True)):
+            alike = (schedules == schedule) & (eps == ep)
+            first = int(np.argmax(alike))
+            candidate = moded._replace(pipeline=line.pipelines[pipelines[first]], data=line.states.choices[rows[first]])
+            busy[alike] = self._fewest_microbatches_busy_s(candidate)
+        return busy
 
-    def _data_states(self, candidate: Candidate, data: list[DataChoice]) -> list[tuple]:
-        """(choice, model-state bytes per pipeline rank, optimizer seconds, what the gradients at the peak
-        need or None) for each data choice."""
+    def _data_states(self, candidate: Candidate, data: list[DataChoice]) -> StateTable:
+        """Each data choice's model states per rank signature, optimizer seconds, what the gradients at the
+        peak need, whether it fully shards and the bytes outside the allocator."""
         key = (candidate.tp, candidate.cp, candidate.pp, self._placement(candidate).signatures, tuple(data))
         if key not in self._data_states_of:
-            self._data_states_of[key] = [(choice, *self._states_of(candidate, choice)) for choice in data]
+            states = [self._states_of(candidate, choice) for choice in data]
+            layouts = [candidate._replace(data=choice) for choice in data]
+            self._data_states_of[key] = StateTable(
+                data,
+                np.array([state_bytes for state_bytes, _, _ in states]),
+                np.array([optimizer_s for _, optimizer_s, _ in states]),
+                [fill for _, _, fill in states],
+                np.array([fully_shards(layout) for layout in layouts]),
+                np.array([self._outside_allocator_bytes(layout) for layout in layouts]),
+                np.array([choice.ep for choice in data]),
+            )
         return self._data_states_of[key]
 
     def _states_of(self, candidate: Candidate, choice: DataChoice) -> tuple[list[float], float, tuple | None]:
-        """`model_state_terms` + `buffer_terms` per pipeline rank, `optimizer_seconds` of the rank that
-        updates most parameters (as `optimizer_term` takes it), and for one replica on one stage what
+        """`model_state_terms` + `buffer_terms` per rank signature (`Placement.distinct`), `optimizer_seconds` of
+        the rank that updates most parameters (as `optimizer_term` takes it), and for one replica on one stage what
         `gradients_at_the_peak` needs, of the candidate with this data choice."""
         key = (
             self._placement(candidate).signatures,
@@ -675,7 +811,8 @@ class Pricer:
             layout = self._layout(candidate)
             by_signature = {}
             fill = None
-            for rank in self._placement(candidate).distinct:
+            placement = self._placement(candidate)
+            for rank in placement.distinct:
                 elements = self._elements_of(candidate, rank)
                 terms = model_state_terms(layout, elements)
                 state_bytes = total(terms + buffer_terms(layout, rank, elements))
@@ -689,7 +826,7 @@ class Pricer:
             optimizer_s = optimizer_seconds(
                 max(optimizer for _, optimizer in by_signature.values()), layout, self.cluster
             )
-            state_bytes = [by_signature[signature][0] for signature in self._placement(candidate).signatures]
+            state_bytes = [by_signature[self._holding(candidate, rank).signature][0] for rank in placement.distinct]
             self._states[key] = (state_bytes, optimizer_s, fill)
         return self._states[key]
 
@@ -703,46 +840,50 @@ class Pricer:
             self._rank_elements[key] = state_elements(self._layout(candidate), held.tensors)
         return self._rank_elements[key]
 
-    def _activation_bytes(self, candidate: Candidate) -> list[float]:
+    def _activation_bytes(self, candidate: Candidate, pipelines: list[PipelineChoice]) -> np.ndarray:
         """`activation_terms` (per layer, times the layers and microbatches in flight, plus the logits) +
-        `pipeline_buffer_term` per pipeline rank: a microbatch keeps b times
-        what one sequence keeps, and a rank's activations depend on it only through its layers,
-        whether it computes the loss and its microbatches in flight (and, for the residual stream's
-        dtype, whether FSDP holds the parameters)."""
+        `pipeline_buffer_term` of the rank of each signature that keeps most (`Placement.alike`), under each of
+        these pipeline choices of the candidate's placement: [pipeline choice, signature]. A microbatch keeps b
+        times what one sequence keeps, and a rank's activations depend on it only through its layers, whether it
+        computes the loss and its microbatches in flight (and, for the residual stream's dtype, whether FSDP
+        holds the parameters)."""
         tp, cp, pp, pipeline, _, recompute, micro_batch = candidate
         one_sequence = None
         buffers_key = (pp, tp, cp, pipeline.stages_per_rank)
         if buffers_key not in self._buffers:
             one_sequence = self._layout(candidate._replace(micro_batch=pipeline.microbatches))
             self._buffers[buffers_key] = total(pipeline_buffer_term(one_sequence))
-        buffers = self._buffers[buffers_key]
         same = (tp, cp, recompute, tp == pp == 1, fully_shards(candidate))
         if same not in self._layer_activations:
             one_sequence = one_sequence or self._layout(candidate._replace(micro_batch=pipeline.microbatches))
             self._layer_activations[same] = layer_activation_bytes(one_sequence)
-        per_layer = self._layer_activations[same]
-        per_rank = []
-        for layers, holds_output, in_flight in self._held_by_rank(candidate):
-            kept = per_layer * layers * in_flight
-            if holds_output:
+        held = self._held_by_rank(candidate, pipelines)
+        kept = self._layer_activations[same] * held.layers * held.in_flight
+        for rank in held.output_ranks:
+            for index, in_flight in enumerate(held.in_flight[:, rank].tolist()):
                 key = same + (pp == 1, in_flight)
                 if key not in self._logits:
                     one_sequence = one_sequence or self._layout(candidate._replace(micro_batch=pipeline.microbatches))
                     self._logits[key] = logits_term(one_sequence, in_flight).value
-                kept += self._logits[key]
-            per_rank.append(kept + buffers)
-        micro_seqs = micro_batch // pipeline.microbatches
-        return [micro_seqs * each for each in per_rank]
+                kept[index, rank] += self._logits[key]
+        per_rank = held.micro_seqs * (kept + self._buffers[buffers_key])
+        placement = self._placement(candidate)
+        return np.maximum.reduceat(per_rank[:, placement.alike_order], placement.alike_starts, axis=1)
 
-    def _held_by_rank(self, candidate: Candidate) -> list[tuple[int, bool, float]]:
-        """(layers, computes the loss, microbatches in flight) of each pipeline rank."""
-        key = (candidate.pp, candidate.pipeline)
+    def _held_by_rank(self, candidate: Candidate, pipelines: list[PipelineChoice]) -> HeldByRank:
+        key = (candidate.pp, candidate.micro_batch, tuple(pipelines))
         if key not in self._held:
-            layout = self._layout(candidate)
-            self._held[key] = [
-                (held.layers, held.holds_output, in_flight_microbatches(layout, rank))
-                for rank, held in enumerate(self._placement(candidate).holdings)
-            ]
+            holdings = self._placement(candidate).holdings
+            in_flight = []
+            for pipeline in pipelines:
+                layout = self._layout(candidate._replace(pipeline=pipeline))
+                in_flight.append([in_flight_microbatches(layout, rank) for rank in range(candidate.pp)])
+            self._held[key] = HeldByRank(
+                np.array([held.layers for held in holdings], dtype=float),
+                np.array(in_flight, dtype=float),
+                [rank for rank, held in enumerate(holdings) if held.holds_output],
+                np.array([[candidate.micro_batch // pipeline.microbatches] for pipeline in pipelines], dtype=float),
+            )
         return self._held[key]
 
     # ---- time ----
@@ -765,7 +906,12 @@ class Pricer:
             micro_seqs,
         )
         if key not in self._compute:
-            self._compute[key] = stages_compute(self._layout(candidate), self.cluster, held.stages)
+            layout = self._layout(candidate)
+            # A block's kernels are the same for every rank, recompute mode and stage placement.
+            block_key = (candidate.tp, candidate.cp, candidate.data.ep, micro_seqs)
+            if block_key not in self._blocks:
+                self._blocks[block_key] = block_compute(layout, self.cluster)
+            self._compute[key] = stages_compute(layout, self.cluster, held.stages, self._blocks[block_key])
         return self._compute[key]
 
     def _bubble(self, candidate: Candidate) -> float:
@@ -898,32 +1044,39 @@ class Pricer:
         self.timed[candidate] = (step_s, self._bubble(candidate))
         return step_s, EXACT
 
-    def time_what_matters(self, fitting: list[tuple[float, float, Candidate]]) -> list[tuple[float, float, Candidate]]:
+    def time_what_matters(self, fitting: Fitting) -> list[tuple[float, float, Candidate]]:
         """(peak bytes, step seconds, layout) of the fitting layouts that are among the `limit`
         fastest or on the frontier (and a few more), fastest first, each timed exactly.
 
         Best first: the layout with the least bound on its step time is taken from the queue, its
         bound tightened and the layout put back, until the bound taken is exact. Layouts leave the
         queue fastest first, so one that leaves after `limit` others, with no less memory than one of
-        them, is beaten on both counts and is dropped before any more of its time is computed."""
+        them, is beaten on both counts and is dropped before any more of its time is computed (and
+        since that least memory only falls, such layouts are skipped in bulk)."""
         # The first bounds, sorted once, merge with a heap of the tightened ones: the same order as one heap of
         # everything, (bound, position in `fitting`), without pushing every layout through it.
-        bounds = [bound for _, bound, _ in fitting]
-        first = sorted(range(len(fitting)), key=bounds.__getitem__)
+        first = np.argsort(fitting.bound, kind="stable")
+        first_peaks = fitting.peak[first]
+        first_bounds, first, peaks = fitting.bound[first].tolist(), first.tolist(), fitting.peak.tolist()
         tightened: list[tuple[float, int, int]] = []
         fastest: list[tuple[float, float, Candidate]] = []
+        built: dict[int, Candidate] = {}
         least_memory = float("inf")
         index = 0
         while index < len(first) or tightened:
-            if tightened and (index == len(first) or tightened[0][:2] < (bounds[first[index]], first[index])):
+            if len(fastest) >= self.space.limit and index < len(first) and peaks[first[index]] >= least_memory:
+                index = first_below(first_peaks, index, least_memory)
+            if tightened and (index == len(first) or tightened[0][:2] < (first_bounds[index], first[index])):
                 step_s, order, exactness = heapq.heappop(tightened)
-            else:
-                order, exactness = first[index], FEWEST_MICROBATCHES_BOUND
-                step_s = bounds[order]
+            elif index < len(first):
+                order, exactness, step_s = first[index], FEWEST_MICROBATCHES_BOUND, first_bounds[index]
                 index += 1
-            peak, _, candidate = fitting[order]
+            else:
+                break
+            peak = peaks[order]
             if len(fastest) >= self.space.limit and peak >= least_memory:
                 continue
+            candidate = built.get(order) or built.setdefault(order, fitting.candidate(order))
             if exactness == EXACT:
                 fastest.append((peak, step_s, candidate))
                 least_memory = min(least_memory, peak)
