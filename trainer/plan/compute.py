@@ -28,7 +28,14 @@ from trainer.config import ModelConfig
 from trainer.plan.hardware import ClusterSpec
 from trainer.plan.kernel_time import attention_seconds, gemm_seconds, memory_seconds
 from trainer.plan.layout import Layout
-from trainer.plan.parameters import ParameterTensor, block_tensors, held_layers, held_tensors, recomputed_layers
+from trainer.plan.parameters import (
+    ParameterTensor,
+    block_tensors,
+    held_layers,
+    held_tensors,
+    last_stage_tensors,
+    recomputed_layers,
+)
 from trainer.plan.passes import block_pass_bytes
 
 # The final norm reads and writes the hidden state (a block's passes: trainer.plan.passes); backward moves about
@@ -246,6 +253,8 @@ class BlockCompute:
     """The memory-bound passes' forward."""
     attention_memory: KernelTime
     """The attention sub-block's share of `memory`: what loom's selective recompute re-runs."""
+    matmul_elements: float
+    """Parameters a token multiplies with in one block (`_matmul_elements`)."""
 
 
 def block_compute(layout: Layout, cluster: ClusterSpec) -> BlockCompute:
@@ -274,6 +283,7 @@ def block_compute(layout: Layout, cluster: ClusterSpec) -> BlockCompute:
         core_backward,
         pricer.memory_bytes(tokens * passes.block),
         pricer.memory_bytes(tokens * passes.attention),
+        _matmul_elements(block, model),
     )
 
 
@@ -287,7 +297,11 @@ def stages_compute(
     tokens = layout.micro_seqs * layout.local_seq
     layers = held_layers(model, layout.total_stages, stages)
     holds_output = layout.total_stages - 1 in stages
-    matmul = _matmul_elements(held_tensors(model, layout.total_stages, stages), model) / tp
+    block = block or block_compute(layout, cluster)
+    matmul = block.matmul_elements * layers
+    if holds_output:
+        matmul += _matmul_elements(last_stage_tensors(model, layout.total_stages), model)
+    matmul /= tp
     if model.tie_embeddings and layout.total_stages == 1:
         matmul += model.vocab * model.dim / tp
     attention = layers * model.dim * model.seq_len / tp
@@ -295,7 +309,6 @@ def stages_compute(
     head_dim = model.dim // model.heads
     recompute = layout.config.compute.recompute
     pricer = KernelPricer(layout, cluster)
-    block = block or block_compute(layout, cluster)
     attention_linear, mlp_linear, core = block.attention_linear, block.mlp_linear, block.core
 
     forward = (attention_linear[0] + mlp_linear[0] + core + block.memory) * layers

@@ -82,6 +82,10 @@ def held_layers(model: ModelConfig, total_stages: int, stages: list[int]) -> int
 
 def recomputed_layers(model: ModelConfig, total_stages: int, stages: list[int], compute: ComputeConfig) -> int:
     """Blocks of these stages that recompute (all of them unless compute.recompute_every says every N-th)."""
+    if compute.recompute == "none":
+        return 0
+    if compute.recompute_every == 1:
+        return held_layers(model, total_stages, stages)
     return sum(
         compute.recomputes_block(index) for stage in stages for index in stage_blocks(model.layers, total_stages, stage)
     )
