@@ -1001,14 +1001,17 @@ class Pricer:
 
     def _data_parallel_exposed_s(self, candidate: Candidate, rank: int) -> float:
         """The rank's exposed data-parallel communication as `step_traffic` and `expose` time it.
-        The traffic does not depend on the recompute mode; what of it compute hides does."""
+        The traffic does not depend on the recompute mode (what of it compute hides does), nor on the microbatch
+        count unless FSDP gathers the parameters again for every microbatch (ZeRO-3, resharding after forward)."""
         held = self._holding(candidate, rank)
+        data = candidate.data
+        regathers = data.zero_stage == 3 and data.reshard_after_forward
         key = (
             candidate.tp,
             candidate.cp,
             candidate.pp,
-            candidate.pipeline.microbatches,
-            candidate.data,
+            candidate.pipeline.microbatches if regathers else None,
+            data,
             held.signature,
         )
         if key not in self._data_parallel_traffic:
