@@ -9,16 +9,21 @@ Megatron-LM's account-for-embedding/loss-in-pipeline-split, and how Llama 3.1 40
 from __future__ import annotations
 
 
+def evenly(layers: int, stages: int) -> bool:
+    """Whether every stage holds as many blocks as the others."""
+    return layers % stages == 0
+
+
 def splits(layers: int, stages: int) -> bool:
     """Whether these stages can share the blocks, each holding at least one."""
-    if layers % stages == 0:
+    if evenly(layers, stages):
         return True
     return (layers + 2) % stages == 0 and (layers + 2) // stages >= 2
 
 
 def stage_block_counts(layers: int, stages: int) -> list[int]:
     """Blocks each stage holds, in stage order (for a split that `splits` accepts)."""
-    if layers % stages == 0:
+    if evenly(layers, stages):
         return [layers // stages] * stages
     counts = [(layers + 2) // stages] * stages
     counts[0] -= 1

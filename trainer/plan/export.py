@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 
 from trainer.config import ConfigError, OptimizerConfig, RunConfig
-from trainer.pipeline_split import stage_block_counts
+from trainer.pipeline_split import evenly, stage_block_counts
 from trainer.plan.parameters import total_parameters
 from trainer.plan.terms import count
 
@@ -84,7 +84,7 @@ def total_stages(config: RunConfig) -> int:
 
 def uneven_split(config: RunConfig) -> bool:
     """Whether the embedding and the output count as a block each (trainer.pipeline_split)."""
-    return config.model.layers % total_stages(config) != 0
+    return not evenly(config.model.layers, total_stages(config))
 
 
 def layers_per_stage(config: RunConfig) -> int:
