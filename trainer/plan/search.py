@@ -39,9 +39,9 @@ own functions once and shared by every layout that agrees on what the part reads
   adds them.
 
 And it prunes with properties of the cost model, each checked against the estimate in
-tests/plan/test_search.py. Memory never grows with more recompute or with more microbatches of the
-same batch, so the leanest microbatch count and recompute mode a data-parallel choice does not fit
-in ends that choice's line. The step time is bounded from below before it is computed: by the
+tests/plan/test_search.py. Memory never grows with more recompute, so where no layout of a stage placement
+fits under one recompute mode, none fits under the modes that keep more. The step time is bounded from below
+before it is computed: by the
 busiest rank's compute and in-layer communication at the placement's fewest microbatches (more
 microbatches never make tensor-, context- or expert-parallel communication shrink), then with the
 exposed data-parallel communication, then exactly. Layouts are taken best bound first and a bound
@@ -547,7 +547,7 @@ class StateTable:
 
 
 @dataclass(frozen=True)
-class PlacementLine:
+class PlacementLayouts:
     """One stage placement of (tp, cp, pp, micro_batch): every valid pipeline choice that places the stages so
     (schedule and microbatch count) and every valid data choice, under every recompute mode."""
 
@@ -572,10 +572,10 @@ class Fitting:
     """Every fitting layout as parallel arrays: its peak bytes, a lower bound on its step time, and where it
     is (stage placement, recompute mode, pipeline choice, data choice); a layout is built only when needed."""
 
-    lines: list[PlacementLine] = field(default_factory=list)
+    placements: list[PlacementLayouts] = field(default_factory=list)
     peak: np.ndarray | list = field(default_factory=list)
     bound: np.ndarray | list = field(default_factory=list)
-    line: np.ndarray | list = field(default_factory=list)
+    placement: np.ndarray | list = field(default_factory=list)
     mode: np.ndarray | list = field(default_factory=list)
     pipeline: np.ndarray | list = field(default_factory=list)
     row: np.ndarray | list = field(default_factory=list)
@@ -584,12 +584,12 @@ class Fitting:
     def __len__(self) -> int:
         return self.size
 
-    def add(self, line: PlacementLine, mode: int, peaks, bounds, pipelines, rows) -> None:
-        if not self.lines or self.lines[-1] is not line:
-            self.lines.append(line)
+    def add(self, placed: PlacementLayouts, mode: int, peaks, bounds, pipelines, rows) -> None:
+        if not self.placements or self.placements[-1] is not placed:
+            self.placements.append(placed)
         self.peak.append(peaks)
         self.bound.append(bounds)
-        self.line.append(np.full(len(rows), len(self.lines) - 1))
+        self.placement.append(np.full(len(rows), len(self.placements) - 1))
         self.mode.append(np.full(len(rows), mode))
         self.pipeline.append(pipelines)
         self.row.append(rows)
@@ -600,10 +600,10 @@ class Fitting:
             return np.concatenate(parts) if parts else np.empty(0, dtype)
 
         return Fitting(
-            self.lines,
+            self.placements,
             join(self.peak, float),
             join(self.bound, float),
-            join(self.line, int),
+            join(self.placement, int),
             join(self.mode, int),
             join(self.pipeline, int),
             join(self.row, int),
@@ -611,8 +611,10 @@ class Fitting:
         )
 
     def candidate(self, index: int) -> Candidate:
-        line = self.lines[self.line[index]]
-        return line.candidate(int(self.mode[index]), int(self.pipeline[index]), line.states.choices[self.row[index]])
+        placed = self.placements[self.placement[index]]
+        return placed.candidate(
+            int(self.mode[index]), int(self.pipeline[index]), placed.states.choices[self.row[index]]
+        )
 
 
 def first_below(values: np.ndarray, start: int, limit: float) -> int:
@@ -713,33 +715,33 @@ class Pricer:
             for pipelines_alike in placed_alike.values():
                 leanest = Candidate(tp, cp, pp, pipelines_alike[0], data[0], "full", micro_batch)
                 self._price_placement(
-                    PlacementLine(leanest, pipelines_alike, self._data_states(leanest, data)), fitting
+                    PlacementLayouts(leanest, pipelines_alike, self._data_states(leanest, data)), fitting
                 )
         self.fitting = len(fitting)
         return fitting.concatenated()
 
-    def _price_placement(self, line: PlacementLine, fitting: Fitting) -> None:
+    def _price_placement(self, placed: PlacementLayouts, fitting: Fitting) -> None:
         """Every recompute mode, pipeline choice and data choice of one stage placement at once, leanest mode
         first: where nothing fits under one mode, nothing fits under the modes that keep more."""
-        states = line.states
-        leanest = line.leanest
-        bubbles = np.array([self._bubble(leanest._replace(pipeline=pipeline)) for pipeline in line.pipelines])
+        states = placed.states
+        leanest = placed.leanest
+        bubbles = np.array([self._bubble(leanest._replace(pipeline=pipeline)) for pipeline in placed.pipelines])
         one_pass = self.space.global_batch // leanest.micro_batch == 1
         for mode, recompute in enumerate(RECOMPUTE_LEANEST_FIRST):
             moded = leanest._replace(recompute=recompute)
-            peaks = np.empty((len(line.pipelines), len(states.choices)))
+            peaks = np.empty((len(placed.pipelines), len(states.choices)))
             # The residual stream's dtype, and so the activations, depend on whether FSDP holds the parameters.
             for sharded in (False, True):
                 rows = np.flatnonzero(states.sharded == sharded)
                 if rows.size:
-                    activations = self._activation_bytes(moded._replace(data=states.choices[rows[0]]), line.pipelines)
+                    activations = self._activation_bytes(moded._replace(data=states.choices[rows[0]]), placed.pipelines)
                     held = states.state_bytes[rows][np.newaxis] + activations[:, np.newaxis]
                     peaks[:, rows] = reserved_bytes(held.max(axis=2))
             if one_pass:
                 for row in states.filled:
                     # One replica, one pass, one stage: the gradients fill in as backward frees the activations.
-                    choice = moded._replace(data=states.choices[row])
-                    (activation,) = self._activation_bytes(choice, line.pipelines)[0]
+                    layout = moded._replace(data=states.choices[row])
+                    (activation,) = self._activation_bytes(layout, placed.pipelines)[0]
                     (held,), (gradients, copies, first) = states.state_bytes[row], states.fills[row]
                     at_peak = gradients_held_at_the_peak(gradients, activation + copies, first)
                     peaks[0, row] = reserved_bytes(held - gradients + at_peak + activation)
@@ -748,30 +750,32 @@ class Pricer:
             if not fits.any():
                 pipeline, row = np.unravel_index(np.argmin(device), device.shape)
                 if self.leanest is None or device[pipeline, row] < self.leanest[0]:
-                    self.leanest = (float(device[pipeline, row]), line.candidate(mode, pipeline, states.choices[row]))
+                    self.leanest = (float(device[pipeline, row]), placed.candidate(mode, pipeline, states.choices[row]))
                 return
             pipelines, rows = np.nonzero(fits)
             # Before any communication that compute may hide is priced: a lower bound.
             bounds = step_seconds(
-                pipeline_seconds(self._fewest_busy(line, moded, pipelines, rows), bubbles[pipelines]),
+                pipeline_seconds(self._fewest_busy(placed, moded, pipelines, rows), bubbles[pipelines]),
                 0.0,
                 0.0,
                 states.optimizer_s[rows],
             )
-            fitting.add(line, mode, peaks[pipelines, rows], bounds, pipelines, rows)
+            fitting.add(placed, mode, peaks[pipelines, rows], bounds, pipelines, rows)
 
     def _fewest_busy(
-        self, line: PlacementLine, moded: Candidate, pipelines: np.ndarray, rows: np.ndarray
+        self, placed: PlacementLayouts, moded: Candidate, pipelines: np.ndarray, rows: np.ndarray
     ) -> np.ndarray:
         """`_fewest_microbatches_busy_s` of these layouts of the placement (pipeline and data choice indices),
         computed once per schedule and ep."""
-        eps = line.states.eps[rows]
-        schedules = line.schedule_index[pipelines]
+        eps = placed.states.eps[rows]
+        schedules = placed.schedule_index[pipelines]
         busy = np.empty(len(rows))
         for schedule, ep in set(zip(schedules.tolist(), eps.tolist(), strict=True)):
             alike = (schedules == schedule) & (eps == ep)
             first = int(np.argmax(alike))
-            candidate = moded._replace(pipeline=line.pipelines[pipelines[first]], data=line.states.choices[rows[first]])
+            candidate = moded._replace(
+                pipeline=placed.pipelines[pipelines[first]], data=placed.states.choices[rows[first]]
+            )
             busy[alike] = self._fewest_microbatches_busy_s(candidate)
         return busy
 
