@@ -34,9 +34,10 @@ def _losses_and_logsumexp(
     logsumexp = running_max + tl.log(running_sum)
 
     target = tl.load(targets_ptr + row)
-    valid = target != ignore_index
-    target_logit = tl.load(row_logits_ptr + target, mask=valid, other=0.0).to(tl.float32)
-    tl.store(losses_ptr + row, tl.where(valid, logsumexp - target_logit, 0.0))
+    # Ignored, or (vocabulary-parallel) in another rank's share of the vocabulary: no target logit here.
+    here = (target != ignore_index) & (target >= 0) & (target < vocab)
+    target_logit = tl.load(row_logits_ptr + target, mask=here, other=0.0).to(tl.float32)
+    tl.store(losses_ptr + row, tl.where(here, logsumexp - target_logit, 0.0))
     tl.store(logsumexp_ptr + row, logsumexp)
 
 

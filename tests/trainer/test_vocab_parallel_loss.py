@@ -1,0 +1,93 @@
+"""The vocabulary-parallel chunked cross-entropy on two real ranks (gloo): the same loss on every rank as the
+reference over the whole vocabulary, the same gradients once the ranks' shares of the hidden states' gradient are
+summed, and no tensor of all the logits, nor of one rank's share of them, on any rank."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.trainer.test_kernels import LargestTensor, lm_head_inputs
+from trainer.kernels import kernels_for, reference
+from trainer.kernels.chunked_cross_entropy import TORCH_LOGITS_STEPS
+from trainer.kernels.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+
+RANKS = 2
+CASES = [
+    # rows, dim, vocab, chunk_size: a ragged last chunk; one chunk; a chunk larger than the rows.
+    (37, 24, 100, 8),
+    (64, 16, 258, 64),
+    (5, 8, 50, 16),
+]
+
+
+def logits_steps(backend: str):
+    if backend == "torch":
+        return TORCH_LOGITS_STEPS
+    kernels_for("triton", torch.device("cpu"))
+    from trainer.kernels.cross_entropy import TRITON_LOGITS_STEPS
+
+    return TRITON_LOGITS_STEPS
+
+
+def check_against_the_reference(rank: int, steps, rows: int, dim: int, vocab: int, chunk_size: int) -> None:
+    hidden, weight, targets = lm_head_inputs(rows, dim, vocab, torch.device("cpu"))
+    # Targets in both ranks' shares and ignored rows: lm_head_inputs ignores every third.
+    assert (targets >= vocab // 2).any() and ((targets >= 0) & (targets < vocab // 2)).any()
+    expected_hidden, expected_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = reference.cross_entropy(expected_hidden, expected_weight, targets)
+    expected.backward()
+
+    share = vocab // RANKS
+    local_weight = weight[rank * share : (rank + 1) * share].clone().requires_grad_()
+    local_hidden = hidden.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(
+        local_hidden, local_weight, targets, rank * share, dist.group.WORLD, chunk_size=chunk_size, steps=steps
+    )
+    loss.backward()
+    grad_hidden = local_hidden.grad.clone()
+    dist.all_reduce(grad_hidden)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_hidden, expected_hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(local_weight.grad, expected_weight.grad[rank * share : (rank + 1) * share])
+
+
+def check_the_largest_tensor(rank: int, steps) -> None:
+    rows, vocab, chunk_size = 192, 1000, 16
+    hidden, weight, targets = lm_head_inputs(rows, 8, vocab, torch.device("cpu"))
+    share = vocab // RANKS
+    local_weight = weight[rank * share : (rank + 1) * share].clone().requires_grad_()
+    with LargestTensor() as largest:
+        vocab_parallel_cross_entropy(
+            hidden.clone().requires_grad_(),
+            local_weight,
+            targets,
+            rank * share,
+            dist.group.WORLD,
+            chunk_size=chunk_size,
+            steps=steps,
+        ).backward()
+    # One chunk of this rank's logits in fp32 at most: never all rows of its share, let alone the whole vocabulary.
+    assert largest.bytes <= chunk_size * share * torch.float32.itemsize < rows * share * torch.float32.itemsize
+
+
+def every_check(rank: int, init_file: str, backend: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS)
+    try:
+        steps = logits_steps(backend)
+        for case in CASES:
+            check_against_the_reference(rank, steps, *case)
+        check_the_largest_tensor(rank, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_vocab_parallel_cross_entropy_on_two_ranks_is_the_whole_vocabularys(backend, tmp_path):
+    mp.spawn(every_check, args=(str(tmp_path / "store"), backend), nprocs=RANKS, join=True)
+
+
+def test_a_non_negative_ignore_index_is_refused():
+    hidden, weight, targets = lm_head_inputs(4, 8, 10, torch.device("cpu"))
+    with pytest.raises(ValueError, match="ignore_index must be negative"):
+        vocab_parallel_cross_entropy(hidden, weight, targets, 0, None, ignore_index=3)
