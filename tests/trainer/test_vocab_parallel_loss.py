@@ -1,6 +1,10 @@
 """The vocabulary-parallel chunked cross-entropy on two real ranks (gloo): the same loss on every rank as the
 reference over the whole vocabulary, the same gradients once the ranks' shares of the hidden states' gradient are
-summed, and no tensor of all the logits, nor of one rank's share of them, on any rank."""
+summed, and no tensor of all the logits, nor of one rank's share of them, on any rank; and the same in loom's
+model under tensor and sequence parallelism, where the trainer computes its loss so."""
+
+import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,9 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.trainer.test_kernels import LargestTensor, lm_head_inputs
-from trainer.kernels import kernels_for, reference
-from trainer.kernels.chunked_cross_entropy import TORCH_LOGITS_STEPS
+from trainer.config import parse_config
+from trainer.kernels import TORCH_KERNELS, kernels_for, logits_steps, reference
 from trainer.kernels.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+from trainer.model import Transformer
+from trainer.parallel.loss import tensor_parallel_cross_entropy
+from trainer.parallel.mesh import ParallelMesh
+from trainer.parallel.tensor import apply_tensor_parallel
 
 RANKS = 2
 CASES = [
@@ -19,15 +27,6 @@ CASES = [
     (64, 16, 258, 64),
     (5, 8, 50, 16),
 ]
-
-
-def logits_steps(backend: str):
-    if backend == "torch":
-        return TORCH_LOGITS_STEPS
-    kernels_for("triton", torch.device("cpu"))
-    from trainer.kernels.cross_entropy import TRITON_LOGITS_STEPS
-
-    return TRITON_LOGITS_STEPS
 
 
 def check_against_the_reference(rank: int, steps, rows: int, dim: int, vocab: int, chunk_size: int) -> None:
@@ -71,13 +70,43 @@ def check_the_largest_tensor(rank: int, steps) -> None:
     assert largest.bytes <= chunk_size * share * torch.float32.itemsize < rows * share * torch.float32.itemsize
 
 
+def check_the_tensor_parallel_model(rank: int) -> None:
+    """The model's own loss under tp 2 with sequence parallel, as trainer/parallel/apply.py sets it up, against the
+    same model in one process."""
+    config = parse_config(
+        {
+            "model": {"layers": 1, "dim": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 4096, "seq_len": 64},
+            "parallel": {"tp": RANKS},
+            "compute": {"precision": "fp32"},
+        },
+        runnable=False,
+    )
+    torch.manual_seed(0)
+    whole = Transformer(config.model)
+    model = copy.deepcopy(whole)
+    apply_tensor_parallel(model, ParallelMesh(config.parallel, RANKS, "cpu")["tp"], True, True)
+    model.use_kernels(replace(TORCH_KERNELS, cross_entropy=tensor_parallel_cross_entropy(logits_steps(TORCH_KERNELS))))
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.model.vocab, (8, config.model.seq_len), generator=generator)
+    targets = torch.randint(0, config.model.vocab, (8, config.model.seq_len), generator=generator)
+    with LargestTensor() as largest:
+        loss = model(tokens, targets)
+        loss.backward()
+    expected = whole(tokens, targets)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    rows, share = tokens.numel(), config.model.vocab // RANKS
+    assert largest.bytes < rows * share * torch.float32.itemsize
+
+
 def every_check(rank: int, init_file: str, backend: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS)
     try:
-        steps = logits_steps(backend)
+        steps = logits_steps(kernels_for(backend, torch.device("cpu")))
         for case in CASES:
             check_against_the_reference(rank, steps, *case)
         check_the_largest_tensor(rank, steps)
+        if backend == "torch":
+            check_the_tensor_parallel_model(rank)
     finally:
         dist.destroy_process_group()
 

@@ -10,6 +10,6 @@ scaled_dot_product_attention already dispatches to flash attention on CUDA, and 
 torch's own fused optimizer step.
 """
 
-from trainer.kernels.backends import BACKENDS, TORCH_KERNELS, KernelSet, kernels_for
+from trainer.kernels.backends import BACKENDS, TORCH_KERNELS, KernelSet, kernels_for, logits_steps
 
-__all__ = ["BACKENDS", "TORCH_KERNELS", "KernelSet", "kernels_for"]
+__all__ = ["BACKENDS", "TORCH_KERNELS", "KernelSet", "kernels_for", "logits_steps"]

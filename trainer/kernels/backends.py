@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.kernels import reference
-from trainer.kernels.chunked_cross_entropy import chunked_cross_entropy
+from trainer.kernels.chunked_cross_entropy import TORCH_LOGITS_STEPS, LogitsSteps, chunked_cross_entropy
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -69,6 +69,16 @@ def _triton_kernels() -> KernelSet:
         rotary=rope.rotary,
         cross_entropy=cross_entropy.cross_entropy,
     )
+
+
+def logits_steps(kernels: KernelSet) -> LogitsSteps:
+    """The per-chunk softmax work of this set's cross-entropy, for the losses built on the same chunk loop
+    (trainer.kernels.vocab_parallel_cross_entropy)."""
+    if kernels.backend == "torch":
+        return TORCH_LOGITS_STEPS
+    from trainer.kernels.cross_entropy import TRITON_LOGITS_STEPS
+
+    return TRITON_LOGITS_STEPS
 
 
 def kernels_for(backend: str, device: torch.device) -> KernelSet:

@@ -86,6 +86,6 @@ def vocab_parallel_cross_entropy(
     value on every rank. chunk_size rows at a time (None: see default_chunk_size)."""
     if ignore_index >= 0:
         raise ValueError(f"ignore_index must be negative (a vocabulary index names a token), got {ignore_index}")
-    vocab = weight.shape[0] * dist.get_world_size(group)
-    hidden, weight, targets, chunk_size = rows_of(hidden, weight, targets, chunk_size, vocab)
+    # One chunk of this rank's logits about the size of the hidden states, as for the unsplit loss.
+    hidden, weight, targets, chunk_size = rows_of(hidden, weight, targets, chunk_size, weight.shape[0])
     return VocabParallelCrossEntropy.apply(hidden, weight, targets, vocab_start, ignore_index, chunk_size, steps, group)

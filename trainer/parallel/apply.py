@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +18,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.checkpoint import reshard
 from trainer.config import RunConfig
-from trainer.kernels import TORCH_KERNELS, kernels_for
+from trainer.kernels import TORCH_KERNELS, kernels_for, logits_steps
 from trainer.model import Transformer
 
 from .compiled import recompute_and_compile
 from .context import apply_context_parallel
 from .data import apply_ddp, apply_fsdp, gradient_sync
+from .loss import tensor_parallel_cross_entropy
 from .mesh import ParallelMesh
 from .pipeline import build_schedule, forward_only, gradients_reduced, split_model
 from .tensor import apply_tensor_parallel
@@ -50,14 +51,17 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
     in the last pass. It returns the mean loss, unscaled (None on pipeline ranks without the last stage)."""
     parallel = config.parallel
     accumulation_steps = config.accumulation_steps
-    uses_loss_parallel = parallel.tp > 1 and parallel.loss_parallel
+    # Without pipeline parallelism the model computes its own loss from hidden states, chunk by chunk, never
+    # holding the full logits; under tensor parallelism with loss parallel, over each rank's share of the vocabulary.
+    fused_loss = parallel.pp == 1 and (parallel.tp == 1 or parallel.loss_parallel)
+    uses_loss_parallel = parallel.tp > 1 and parallel.loss_parallel and not fused_loss
+    chosen = kernels_for(config.compute.kernels, device)
     # Triton kernels take plain tensors: under tensor or context parallelism activations are DTensors
     # or need collectives between ops, so those layouts keep torch's ops (which DTensor understands).
-    kernels = kernels_for(config.compute.kernels, device) if parallel.tp == parallel.cp == 1 else TORCH_KERNELS
+    kernels = chosen if parallel.tp == parallel.cp == 1 else TORCH_KERNELS
+    if parallel.tp > 1 and fused_loss:
+        kernels = replace(kernels, cross_entropy=tensor_parallel_cross_entropy(logits_steps(chosen)))
     model.use_kernels(kernels)
-    # Without tensor or pipeline parallelism the model computes its own loss from hidden states,
-    # chunk by chunk, never holding the full logits.
-    fused_loss = parallel.tp == parallel.pp == 1
     parts = split_model(model, parallel, mesh.pp_rank) if parallel.pp > 1 else [(0, model)]
     param_dtype = torch.bfloat16 if precision_of(config, device) == "bf16" else torch.float32
     wrapped = []

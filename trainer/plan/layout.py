@@ -138,6 +138,8 @@ class Layout:
 
     @property
     def fused_loss(self) -> bool:
-        """loom's chunked cross-entropy (no full logits) runs without tp and pp (trainer/parallel/apply.py);
-        torchtitan computes the loss on the whole logits, cast to fp32."""
-        return self.runtime == "loom" and self.parallel.tp == 1 and self.parallel.pp == 1
+        """loom's chunked cross-entropy (no full logits) runs without pp, under tp over each rank's share of the
+        vocabulary where loss_parallel is on (trainer/parallel/apply.py); torchtitan computes the loss on the whole
+        logits, cast to fp32."""
+        parallel = self.parallel
+        return self.runtime == "loom" and parallel.pp == 1 and (parallel.tp == 1 or parallel.loss_parallel)

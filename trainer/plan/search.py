@@ -818,8 +818,8 @@ class Pricer:
             placement = self._placement(candidate)
             for rank in placement.distinct:
                 elements = self._elements_of(candidate, rank)
-                terms = model_state_terms(layout, elements)
-                state_bytes = total(terms + buffer_terms(layout, rank, elements))
+                terms = model_state_terms(layout, elements) + buffer_terms(layout, rank, elements)
+                state_bytes = total(terms)
                 by_signature[self._holding(candidate, rank).signature] = (state_bytes, elements.optimizer)
                 if one_replica_one_stage(layout.parallel):
                     # `gradients_at_the_peak`'s parts: the gradients, what else backward frees besides the
@@ -857,7 +857,9 @@ class Pricer:
         if buffers_key not in self._buffers:
             one_sequence = self._layout(candidate._replace(micro_batch=pipeline.microbatches))
             self._buffers[buffers_key] = total(pipeline_buffer_term(one_sequence))
-        same = (tp, cp, recompute, tp == pp == 1, fully_shards(candidate))
+        # Whether the loss is chunked (Layout.fused_loss) and whether FSDP holds the parameters.
+        fused_loss = pp == 1 and (tp == 1 or self.space.base.parallel.loss_parallel)
+        same = (tp, cp, recompute, fused_loss, fully_shards(candidate))
         if same not in self._layer_activations:
             one_sequence = one_sequence or self._layout(candidate._replace(micro_batch=pipeline.microbatches))
             self._layer_activations[same] = layer_activation_bytes(one_sequence)
