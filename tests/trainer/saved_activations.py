@@ -66,7 +66,9 @@ def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str,
     torch.manual_seed(0)
     model = Transformer(config.model)
     if tp > 1:
-        # As trainer/parallel/apply.py does: DTensor activations take torch's ops.
+        # Torch's ops on the DTensor activations: the same ops keep the same tensors on the local rows, where the
+        # trainer runs them (trainer/parallel/local_kernels.py); its Triton norm cannot read a fake collective's
+        # output, so the planner prices tensor-parallel layouts as these ops (Layout.fused_kernels).
         model.use_kernels(TORCH_KERNELS)
         apply_tensor_parallel(model, ParallelMesh(config.parallel, tp, "cpu")["tp"], sequence_parallel, False)
     else:

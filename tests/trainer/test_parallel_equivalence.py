@@ -1,6 +1,8 @@
 """Every layout trains the same model on the same data: in fp32 its per-step losses and final
 parameters must match a single process's."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -110,6 +112,21 @@ def test_layout_matches_a_single_process(name, single_process, tmp_path):
     assert run.returncode == 0, run.output[-4000:]
     assert_planner_predicts_state_bytes(run, LAYOUTS[name])
     assert len(run.loss_means()) == STEPS
+    assert_trains_like(run, single_process)
+
+
+# The Triton kernels (interpreted on CPU) on the local shards and chunks that tensor, sequence, context and pipeline
+# parallelism give them, against the single process with torch's ops. (Under tp with pp the trainer keeps torch's
+# ops: trainer/parallel/apply.py says why.)
+TRITON_LAYOUTS = ["tp2_sp", "tp2_no_sp", "dp2xtp2", "cp2", "pp2_1f1b"]
+
+
+@pytest.mark.parametrize("name", TRITON_LAYOUTS)
+def test_triton_kernels_train_like_a_single_process_in(name, single_process, tmp_path):
+    document = copy.deepcopy(LAYOUTS[name])
+    document["compute"]["kernels"] = "triton"
+    run = run_trainer(tmp_path, document)
+    assert run.returncode == 0, run.output[-4000:]
     assert_trains_like(run, single_process)
 
 

@@ -16,6 +16,7 @@ from trainer.config import parse_config
 from trainer.kernels import TORCH_KERNELS, kernels_for, logits_steps, reference
 from trainer.kernels.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
 from trainer.model import Transformer
+from trainer.parallel.local_kernels import on_local_shards
 from trainer.parallel.loss import tensor_parallel_cross_entropy
 from trainer.parallel.mesh import ParallelMesh
 from trainer.parallel.tensor import apply_tensor_parallel
@@ -71,8 +72,8 @@ def check_the_largest_tensor(rank: int, steps) -> None:
 
 
 def check_the_tensor_parallel_model(rank: int) -> None:
-    """The model's own loss under tp 2 with sequence parallel, as trainer/parallel/apply.py sets it up, against the
-    same model in one process."""
+    """The model's loss and gradients under tp 2 with sequence parallel, its norms and loss on the local shards as
+    trainer/parallel/apply.py sets them up, against the same model in one process."""
     config = parse_config(
         {
             "model": {"layers": 1, "dim": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 4096, "seq_len": 64},
@@ -85,7 +86,8 @@ def check_the_tensor_parallel_model(rank: int) -> None:
     whole = Transformer(config.model)
     model = copy.deepcopy(whole)
     apply_tensor_parallel(model, ParallelMesh(config.parallel, RANKS, "cpu")["tp"], True, True)
-    model.use_kernels(replace(TORCH_KERNELS, cross_entropy=tensor_parallel_cross_entropy(logits_steps(TORCH_KERNELS))))
+    steps = logits_steps(TORCH_KERNELS)
+    model.use_kernels(replace(on_local_shards(TORCH_KERNELS), cross_entropy=tensor_parallel_cross_entropy(steps)))
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, config.model.vocab, (8, config.model.seq_len), generator=generator)
     targets = torch.randint(0, config.model.vocab, (8, config.model.seq_len), generator=generator)
@@ -93,7 +95,12 @@ def check_the_tensor_parallel_model(rank: int) -> None:
         loss = model(tokens, targets)
         loss.backward()
     expected = whole(tokens, targets)
+    expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    # Every gradient, the embedding's (reached through the sequence-parallel norms) and the output's included.
+    for name, parameter in model.named_parameters():
+        wanted = dict(whole.named_parameters())[name].grad
+        torch.testing.assert_close(parameter.grad.full_tensor(), wanted, rtol=1e-4, atol=1e-6, msg=name)
     rows, share = tokens.numel(), config.model.vocab // RANKS
     assert largest.bytes < rows * share * torch.float32.itemsize
 

@@ -24,6 +24,7 @@ from trainer.model import Transformer
 from .compiled import recompute_and_compile
 from .context import apply_context_parallel
 from .data import apply_ddp, apply_fsdp, gradient_sync
+from .local_kernels import on_local_shards
 from .loss import tensor_parallel_cross_entropy
 from .mesh import ParallelMesh
 from .pipeline import build_schedule, forward_only, gradients_reduced, split_model
@@ -56,9 +57,13 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
     fused_loss = parallel.pp == 1 and (parallel.tp == 1 or parallel.loss_parallel)
     uses_loss_parallel = parallel.tp > 1 and parallel.loss_parallel and not fused_loss
     chosen = kernels_for(config.compute.kernels, device)
-    # Triton kernels take plain tensors: under tensor or context parallelism activations are DTensors
-    # or need collectives between ops, so those layouts keep torch's ops (which DTensor understands).
-    kernels = chosen if parallel.tp == parallel.cp == 1 else TORCH_KERNELS
+    kernels = chosen
+    if parallel.tp > 1:
+        # The norms take DTensors under tensor parallelism, and run on their local rows. Two layouts keep torch's
+        # ops there: compiled blocks (a Triton kernel on a DTensor's local rows inside torch.compile is not known to
+        # compile) and pipeline stages (the schedule infers gradient shapes by running the stage's backward on
+        # tensors without storage, which Triton's launcher cannot take).
+        kernels = TORCH_KERNELS if config.compute.compile or parallel.pp > 1 else on_local_shards(chosen)
     if parallel.tp > 1 and fused_loss:
         kernels = replace(kernels, cross_entropy=tensor_parallel_cross_entropy(logits_steps(chosen)))
     model.use_kernels(kernels)

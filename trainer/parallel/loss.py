@@ -1,6 +1,6 @@
 """The chunked cross-entropy under tensor parallelism: the output layer's weight is a DTensor split over the
 vocabulary (ColwiseParallel, Shard(0)), so the loss runs trainer.kernels.vocab_parallel_cross_entropy on each
-tp rank's rows of it, never making the logits (loss parallel without them).
+tp rank's rows of it (their local tensors), never making the logits (loss parallel without them).
 
 The hidden states reach it as the output layer would take them: sequence-parallel shards gathered into the whole
 sequence, or the replicated tensor. Their gradient leaves as a Partial DTensor (each rank's share over its
@@ -11,15 +11,14 @@ sequence parallelism, an all-reduce otherwise, as ColwiseParallel's own backward
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.experimental import local_map
 
 from trainer.kernels.chunked_cross_entropy import LogitsSteps
 from trainer.kernels.reference import IGNORE_INDEX
 from trainer.kernels.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+from trainer.parallel.local_kernels import local_part
 
 
 def vocab_start(vocab: int, ranks: int, rank: int) -> int:
@@ -44,21 +43,16 @@ def tensor_parallel_cross_entropy(steps: LogitsSteps) -> Callable[..., torch.Ten
         else:
             hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
         start = vocab_start(weight.shape[0], mesh.size(), mesh.get_local_rank())
-        local_loss = partial(
-            vocab_parallel_cross_entropy,
-            vocab_start=start,
-            group=mesh.get_group(),
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-            steps=steps,
+        # Each rank's gradient of the hidden states covers its vocabulary entries only: a Partial sum.
+        return vocab_parallel_cross_entropy(
+            local_part(hidden, [Partial()]),
+            local_part(weight, [Shard(0)]),
+            targets,
+            start,
+            mesh.get_group(),
+            ignore_index,
+            chunk_size,
+            steps,
         )
-        loss = local_map(
-            local_loss,
-            out_placements=[Replicate()],
-            in_placements=([Replicate()], [Shard(0)], None),
-            in_grad_placements=([Partial()], [Shard(0)], None),
-            device_mesh=mesh,
-        )(hidden, weight, targets)
-        return loss.to_local()
 
     return cross_entropy

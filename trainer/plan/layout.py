@@ -120,12 +120,14 @@ class Layout:
     def fused_kernels(self) -> bool:
         """Whether the norms and SwiGLU keep only what fused kernels keep (a norm's input and statistics, the
         gate and up): Megatron-LM (Transformer Engine) and torchtitan (PyTorch's RMSNorm, bf16 parameters
-        under FSDP) always; loom's trainer without tensor or context parallelism unless compute.kernels says
-        torch (trainer/parallel/apply.py): its torch ops keep fp32 intermediates."""
+        under FSDP) always; loom's trainer without tensor parallelism unless compute.kernels says torch
+        (trainer/parallel/apply.py): its torch ops keep fp32 intermediates. Under tensor parallelism the trainer
+        runs its Triton norm on the local rows too (not with pp or compile), but what that keeps is measured only
+        for torch's ops (tests/trainer/saved_activations.py runs on a fake process group, whose collectives leave
+        no storage for a Triton kernel to read), so those layouts are priced as torch's ops: a little more."""
         if self.runtime != "loom":
             return True
-        parallel = self.parallel
-        return self.config.compute.kernels != "torch" and parallel.tp == parallel.cp == 1
+        return self.config.compute.kernels != "torch" and self.parallel.tp == 1
 
     @property
     def fused_passes(self) -> bool:
