@@ -100,7 +100,7 @@ def worker(args: argparse.Namespace) -> None:
     model = Transformer(config.model)
     params = model.num_params()
     parallel_model = parallelize(model, mesh, config, device)
-    optimizer = build_optimizer(parallel_model.parameters(), config.optimizer, on_cuda=False)
+    optimizer = build_optimizer(parallel_model.parameters(), config.optimizer)
     sampler = WindowSampler.from_config(config)
     telemetry = TelemetryClient(
         url=None,

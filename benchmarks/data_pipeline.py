@@ -135,7 +135,7 @@ def demo_step_seconds(repeats: int) -> float:
     config = parse_config(DEMO)
     torch.manual_seed(0)
     model = Transformer(config.model)
-    optimizer = build_optimizer(list(model.parameters()), config.optimizer, on_cuda=False)
+    optimizer = build_optimizer(list(model.parameters()), config.optimizer)
     tokens = torch.randint(0, SAMPLER_VOCAB, (config.data.micro_batch, config.model.seq_len + 1))
 
     def step() -> None:

@@ -160,7 +160,7 @@ class Contender:
             allocated_before = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model.to(self.device)
-        self.optimizer = build_optimizer(list(self.model.parameters()), OptimizerConfig(), self.on_cuda)
+        self.optimizer = build_optimizer(list(self.model.parameters()), OptimizerConfig())
         self.first_loss = self.step(warmup_batches[0]).item()
         for tokens in warmup_batches[1:]:
             self.step(tokens)

@@ -152,18 +152,16 @@ def learning_rate(step: int, total_steps: int, optimizer: OptimizerConfig) -> fl
     return optimizer.lr * (optimizer.min_lr_ratio + (1.0 - optimizer.min_lr_ratio) * cosine)
 
 
-def build_optimizer(
-    parameters: list[torch.nn.Parameter], optimizer: OptimizerConfig, on_cuda: bool
-) -> torch.optim.AdamW:
-    """AdamW that decays matrices and embeddings only; norm gains keep their scale."""
+def build_optimizer(parameters: list[torch.nn.Parameter], optimizer: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW that decays matrices and embeddings only; norm gains keep their scale. Torch's fused AdamW: one
+    kernel per step over all of a device's parameters, on CUDA and on CPU (the devices the trainer runs on), and
+    on DTensor parameters (tensor parallelism, FSDP) as on plain ones."""
     parameters = [parameter for parameter in parameters if parameter.requires_grad]
     groups = [
         {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": optimizer.weight_decay},
         {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        groups, lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), fused=True if on_cuda else None
-    )
+    return torch.optim.AdamW(groups, lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), fused=True)
 
 
 def train(
@@ -182,7 +180,7 @@ def train(
         model.document_end = sampler.dataset.eot_id
     parallel_model = parallelize(model, mesh, config, device)
     parameters = parallel_model.parameters()
-    optimizer = build_optimizer(parameters, config.optimizer, device.type == "cuda")
+    optimizer = build_optimizer(parameters, config.optimizer)
     data_parallel = config.parallel.data_parallel
     validation = []
     if config.eval.interval_steps:

@@ -41,5 +41,8 @@ def test_the_gpu_script_runs_every_part_on_cpu(tmp_path):
         assert case["measured_peak_bytes"] > 0 and case["measured_step_s"] > 0, case
         assert case["estimated_peak_bytes"] > 0 and case["estimated_step_s"] > 0
     assert "ratio loom/HF" in (tmp_path / "throughput.log").read_text()
-    assert "tests collected" in (tmp_path / "kernels.log").read_text()
+    kernels = (tmp_path / "kernels.log").read_text()
+    assert "tests collected" in kernels
+    # Four kernels, each at TP 1 and at a TP-8 rank's local shapes, each timed eager, compiled and fused.
+    assert kernels.count("compiled/fused") == 8, kernels
     assert "planned per step" in (tmp_path / "profile.log").read_text()

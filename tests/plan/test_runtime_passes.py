@@ -19,11 +19,11 @@ TOKENS = SEQ * MICRO
 CLUSTER = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 8}
 
 
-def document(parallel=None, recompute="none", compile=False):
+def document(parallel=None, recompute="none", compile=False, kernels="auto"):
     return {
         "model": {**MODEL, "seq_len": SEQ},
         "parallel": parallel or {},
-        "compute": {"precision": "bf16", "recompute": recompute, "compile": compile},
+        "compute": {"precision": "bf16", "recompute": recompute, "compile": compile, "kernels": kernels},
         "data": {"micro_batch": MICRO},
     }
 
@@ -55,11 +55,17 @@ def test_torchtitans_eager_ops_move_what_each_op_reads_and_writes():
 
 
 def test_looms_torch_ops_under_tensor_parallel_are_priced_op_by_op_and_split_by_sequence_parallel():
-    passes = block_pass_bytes(layout(parallel={"tp": 2, "dp_shard": 1, "sequence_parallel": True}))
+    passes = block_pass_bytes(layout(parallel={"tp": 2, "dp_shard": 1, "sequence_parallel": True}, kernels="torch"))
     norm, rotary, swiglu = 32 + 2 * 2, 48 + 2 * 2, 32 + 3 * 2
     assert passes.attention == DIM / 2 * norm + (HEADS + KV_HEADS) * HEAD_DIM / 2 * rotary
     assert passes.mlp == DIM / 2 * norm + FFN / 2 * swiglu
     assert passes.residual == 2 * 6 * DIM / 2
+
+
+def test_looms_kernels_under_tensor_parallel_are_fused_on_each_ranks_share():
+    passes = block_pass_bytes(layout(parallel={"tp": 2, "dp_shard": 1, "sequence_parallel": True}))
+    fused_share = (2 * 4 * DIM + 4 * (HEADS + KV_HEADS) * HEAD_DIM + 6 * FFN + 2 * 6 * DIM) / 2
+    assert passes.block == fused_share
 
 
 def test_eager_passes_cost_their_bytes_at_the_streaming_rate():

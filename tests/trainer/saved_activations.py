@@ -4,8 +4,9 @@ layer added: every storage autograd saved (parameters aside) plus the inputs act
 the forward runs under autocast, as the trainer's does without FSDP; autocast's bf16 copies of the weights are
 left out (the planner counts them in a term of their own, for the whole model).
 
-Tensor parallelism runs in one process on a fake process group of two ranks: the collectives move nothing, but
-every tensor has the shape, dtype and placement rank 0 of a real run would give it.
+The model runs the kernels the trainer would (trainer/parallel/apply.py): the Triton ones (interpreted), under
+tensor parallelism on each rank's local rows. Tensor-parallel layouts run on two processes over gloo, and rank 0's
+bytes are reported.
 
     python tests/trainer/saved_activations.py '[[1, false, "none", "fp32"], [2, true, "full", "bf16"]]'
 """
@@ -19,14 +20,19 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed._functional_collectives import AsyncCollectiveTensor  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from trainer.config import RunConfig, parse_config  # noqa: E402
-from trainer.kernels import TORCH_KERNELS, kernels_for  # noqa: E402
+from trainer.kernels import kernels_for  # noqa: E402
 from trainer.model import Transformer  # noqa: E402
+from trainer.parallel.local_kernels import on_local_shards  # noqa: E402
 from trainer.parallel.mesh import ParallelMesh  # noqa: E402
 from trainer.parallel.recompute import apply_recompute  # noqa: E402
 from trainer.parallel.tensor import apply_tensor_parallel  # noqa: E402
@@ -47,14 +53,12 @@ def layout_config(tp: int, sequence_parallel: bool, recompute: str, precision: s
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[object, int]:
-    """A key for the memory a tensor views, and that memory's size. A fake collective's output has no real
-    storage: it stands for itself."""
+    """A key for the memory a tensor views, and that memory's size (a collective's pending output: its result's)."""
     shard = local(tensor)
-    try:
-        storage = shard.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
-    except RuntimeError:
-        return ("tensor", id(shard)), shard.numel() * shard.element_size()
+    if isinstance(shard, AsyncCollectiveTensor):
+        shard = shard.elem
+    storage = shard.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -65,14 +69,12 @@ def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str,
     config = layout_config(tp, sequence_parallel, recompute, precision, layers)
     torch.manual_seed(0)
     model = Transformer(config.model)
+    kernels = kernels_for("triton", torch.device("cpu"))
     if tp > 1:
-        # Torch's ops on the DTensor activations: the same ops keep the same tensors on the local rows, where the
-        # trainer runs them (trainer/parallel/local_kernels.py); its Triton norm cannot read a fake collective's
-        # output, so the planner prices tensor-parallel layouts as these ops (Layout.fused_kernels).
-        model.use_kernels(TORCH_KERNELS)
+        model.use_kernels(on_local_shards(kernels))
         apply_tensor_parallel(model, ParallelMesh(config.parallel, tp, "cpu")["tp"], sequence_parallel, False)
     else:
-        model.use_kernels(kernels_for("triton", torch.device("cpu")))
+        model.use_kernels(kernels)
     apply_recompute(model, config.compute)
     parameters = {storage_key(parameter)[0] for parameter in model.parameters()}
     # A weight's autocast copy, or its transpose as a linear layer saves it.
@@ -106,12 +108,32 @@ def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str,
     return sum(kept.values())
 
 
-def main(layouts: list[tuple[int, bool, str, str]]) -> dict[str, int]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+def second_layer_bytes(layouts: list[tuple[int, bool, str, str]]) -> dict[str, int]:
+    return {json.dumps(layout): kept_bytes(*layout, layers=2) - kept_bytes(*layout, layers=1) for layout in layouts}
+
+
+def measure_on_a_rank(rank: int, layouts: list, store: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        return {json.dumps(layout): kept_bytes(*layout, layers=2) - kept_bytes(*layout, layers=1) for layout in layouts}
+        measured = second_layer_bytes(layouts)
+        if rank == 0:
+            Path(results).write_text(json.dumps(measured))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def main(layouts: list[tuple[int, bool, str, str]]) -> dict[str, int]:
+    measured = second_layer_bytes([layout for layout in layouts if layout[0] == 1])
+    tensor_parallel = [layout for layout in layouts if layout[0] > 1]
+    if tensor_parallel:
+        if any(layout[0] != 2 for layout in tensor_parallel):
+            raise ValueError("tensor-parallel layouts are measured on two ranks: tp must be 2")
+        with tempfile.TemporaryDirectory() as directory:
+            store, results = Path(directory, "store"), Path(directory, "results.json")
+            mp.spawn(measure_on_a_rank, args=(tensor_parallel, str(store), str(results)), nprocs=2)
+            measured |= json.loads(results.read_text())
+    return measured
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The loss the trainer runs where its chunked kernel does not (tensor or pipeline parallel): PyTorch's
+"""The loss the trainer runs where its chunked kernel does not (tensor parallel without loss parallel): PyTorch's
 cross_entropy on the whole logits cast to fp32. Its peak, measured op by op on CPU, is what the planner's logits
 term says: 4 bytes per logit of kept log-probabilities plus, in backward, their gradient and the logits' (8 more)."""
 
@@ -41,12 +41,12 @@ def test_the_unchunked_loss_peaks_where_the_planner_says():
         loss.backward()
 
     measured = peak_bytes(step) / (ROWS * VOCAB)
-    # A pipeline-parallel layout's last stage computes this loss on one microbatch of ROWS tokens.
+    # A tensor-parallel layout without loss parallel computes this loss on the gathered logits of ROWS tokens.
     document = {
         "model": {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": VOCAB, "seq_len": ROWS},
-        "parallel": {"pp": 2, "microbatches": 2},
+        "parallel": {"tp": 2, "loss_parallel": False},
         "compute": {"precision": "bf16"},
-        "data": {"micro_batch": 2},
+        "data": {"micro_batch": 1},
     }
     layout = Layout(parse_config(document, runnable=False))
     assert not layout.fused_loss

@@ -116,9 +116,8 @@ def test_layout_matches_a_single_process(name, single_process, tmp_path):
 
 
 # The Triton kernels (interpreted on CPU) on the local shards and chunks that tensor, sequence, context and pipeline
-# parallelism give them, against the single process with torch's ops. (Under tp with pp the trainer keeps torch's
-# ops: trainer/parallel/apply.py says why.)
-TRITON_LAYOUTS = ["tp2_sp", "tp2_no_sp", "dp2xtp2", "cp2", "pp2_1f1b"]
+# parallelism give them, the loss included, against the single process with torch's ops.
+TRITON_LAYOUTS = ["tp2_sp", "tp2_no_sp", "dp2xtp2", "cp2", "pp2_1f1b", "pp2xtp2", "pp2xdp2xtp2"]
 
 
 @pytest.mark.parametrize("name", TRITON_LAYOUTS)

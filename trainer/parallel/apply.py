@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.checkpoint import reshard
 from trainer.config import RunConfig
@@ -52,18 +51,17 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
     in the last pass. It returns the mean loss, unscaled (None on pipeline ranks without the last stage)."""
     parallel = config.parallel
     accumulation_steps = config.accumulation_steps
-    # Without pipeline parallelism the model computes its own loss from hidden states, chunk by chunk, never
-    # holding the full logits; under tensor parallelism with loss parallel, over each rank's share of the vocabulary.
-    fused_loss = parallel.pp == 1 and (parallel.tp == 1 or parallel.loss_parallel)
-    uses_loss_parallel = parallel.tp > 1 and parallel.loss_parallel and not fused_loss
+    # The model (the last pipeline stage) computes its own loss from hidden states, chunk by chunk, never holding
+    # the full logits; under tensor parallelism with loss parallel, over each rank's share of the vocabulary.
+    # Tensor parallelism without loss parallel gathers the whole logits, as the user asked, and the loss runs on them.
+    fused_loss = parallel.tp == 1 or parallel.loss_parallel
     chosen = kernels_for(config.compute.kernels, device)
     kernels = chosen
     if parallel.tp > 1:
-        # The norms take DTensors under tensor parallelism, and run on their local rows. Two layouts keep torch's
-        # ops there: compiled blocks (a Triton kernel on a DTensor's local rows inside torch.compile is not known to
-        # compile) and pipeline stages (the schedule infers gradient shapes by running the stage's backward on
-        # tensors without storage, which Triton's launcher cannot take).
-        kernels = TORCH_KERNELS if config.compute.compile or parallel.pp > 1 else on_local_shards(chosen)
+        # The norms take DTensors under tensor parallelism, and run on their local rows. Compiled blocks keep
+        # torch's ops there, which inductor fuses itself (a Triton kernel on a DTensor's local rows inside
+        # torch.compile is not known to compile).
+        kernels = TORCH_KERNELS if config.compute.compile else on_local_shards(chosen)
     if parallel.tp > 1 and fused_loss:
         kernels = replace(kernels, cross_entropy=tensor_parallel_cross_entropy(logits_steps(chosen)))
     model.use_kernels(kernels)
@@ -87,9 +85,6 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
     state_modules = [part for _, part in parts]
     autocast = _autocast(config, device)
 
-    def loss_context():
-        return loss_parallel() if uses_loss_parallel else contextlib.nullcontext()
-
     if parallel.pp == 1:
         (module,) = wrapped
 
@@ -102,21 +97,23 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             passes = list(zip(inputs.chunk(accumulation_steps), targets.chunk(accumulation_steps), strict=True))
             losses = []
             for index, (pass_inputs, pass_targets) in enumerate(passes):
-                with gradient_sync(module, enabled=index == len(passes) - 1), loss_context():
+                with gradient_sync(module, enabled=index == len(passes) - 1):
                     loss = mean_loss(pass_inputs, pass_targets)
                     (loss / len(passes)).backward()
                 losses.append(loss.detach())
             return sum(losses[1:], losses[0]) / len(losses)
 
         def evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad(), loss_context():
+            with torch.no_grad():
                 loss = mean_loss(inputs, targets)
             reshard(module)
             return loss
 
     else:
         feeds_targets = holds_last_stage(parts, parallel)
-        pipeline_loss = PipelineLoss()
+        pipeline_loss = PipelineLoss(fused_loss)
+        # The stages' forwards all take the targets as a keyword; only the last one uses them.
+        stage_targets = feeds_targets and fused_loss
         schedule = build_schedule(
             list(zip([index for index, _ in parts], wrapped, strict=True)), parallel, mesh, device, pipeline_loss
         )
@@ -127,11 +124,15 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             """One run of the schedule, its microbatches' losses added to `losses` (the schedule replaces what
             the list it is given holds)."""
             these_losses: list[torch.Tensor] = []
-            with loss_context(), autocast():
+            model_targets = {"targets": targets} if stage_targets else {}
+            with autocast():
                 run(
                     inputs if mesh.is_first_stage_rank else None,
                     target=targets if feeds_targets else None,
                     losses=these_losses,
+                    # The losses are all the step needs of the last stage's outputs.
+                    return_outputs=False,
+                    **model_targets,
                 )
             losses += these_losses
 
@@ -174,13 +175,16 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class PipelineLoss:
     """The pipeline schedule's loss function: the mean cross-entropy of a microbatch times `scale`, which the
-    step sets (1 / (microbatches × accumulation steps) to train, 1 to evaluate)."""
+    step sets (1 / (microbatches × accumulation steps) to train, 1 to evaluate). Where the last stage computes
+    the loss itself (`stage_computes_it`), its output is that mean already."""
 
-    def __init__(self) -> None:
+    def __init__(self, stage_computes_it: bool) -> None:
         self.scale = 1.0
+        self.stage_computes_it = stage_computes_it
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets) * self.scale
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = output if self.stage_computes_it else cross_entropy(output, targets)
+        return loss * self.scale
 
 
 def holds_last_stage(parts, parallel) -> bool:

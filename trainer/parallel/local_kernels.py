@@ -32,6 +32,20 @@ class _Waited(torch.autograd.Function):
         return grad
 
 
+class _GradientWaited(torch.autograd.Function):
+    """The tensor as it is, its gradient waited for if a collective left it pending: the gradient that reaches a
+    DTensor's local tensor can be an AsyncCollectiveTensor (a pipeline stage's first backward, which infers
+    gradient shapes, hands one there), which a Triton kernel cannot read."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.trigger_wait() if isinstance(grad, AsyncCollectiveTensor) else grad
+
+
 def local_part(tensor: DTensor, grad_placements: list[Placement]) -> torch.Tensor:
     """The DTensor's local tensor, as a plain tensor the kernels can take, whose gradient reaches the DTensor as
     `grad_placements`. (A reduce-scatter or all-gather leaves an AsyncCollectiveTensor there, and its own wait(),
@@ -49,6 +63,6 @@ def on_local_shards(kernels: KernelSet) -> KernelSet:
         placements = list(x.placements)
         weight_gradient = [Partial()] if any(placement.is_shard() for placement in placements) else [Replicate()]
         out = kernels.rms_norm(local_part(x, placements), local_part(weight, weight_gradient), eps)
-        return DTensor.from_local(out, x.device_mesh, placements, run_check=False)
+        return DTensor.from_local(_GradientWaited.apply(out), x.device_mesh, placements, run_check=False)
 
     return replace(kernels, rms_norm=rms_norm)

@@ -120,14 +120,13 @@ class Layout:
     def fused_kernels(self) -> bool:
         """Whether the norms and SwiGLU keep only what fused kernels keep (a norm's input and statistics, the
         gate and up): Megatron-LM (Transformer Engine) and torchtitan (PyTorch's RMSNorm, bf16 parameters
-        under FSDP) always; loom's trainer without tensor parallelism unless compute.kernels says torch
-        (trainer/parallel/apply.py): its torch ops keep fp32 intermediates. Under tensor parallelism the trainer
-        runs its Triton norm on the local rows too (not with pp or compile), but what that keeps is measured only
-        for torch's ops (tests/trainer/saved_activations.py runs on a fake process group, whose collectives leave
-        no storage for a Triton kernel to read), so those layouts are priced as torch's ops: a little more."""
+        under FSDP) always; loom's trainer unless compute.kernels says torch (trainer/parallel/apply.py): its
+        torch ops keep fp32 intermediates. Under tensor parallelism with compile the trainer compiles torch's ops,
+        and they are priced as such: what inductor keeps of them is not measured."""
         if self.runtime != "loom":
             return True
-        return self.config.compute.kernels != "torch" and self.parallel.tp == 1
+        compiled_tensor_parallel = self.parallel.tp > 1 and self.config.compute.compile
+        return self.config.compute.kernels != "torch" and not compiled_tensor_parallel
 
     @property
     def fused_passes(self) -> bool:
@@ -140,8 +139,8 @@ class Layout:
 
     @property
     def fused_loss(self) -> bool:
-        """loom's chunked cross-entropy (no full logits) runs without pp, under tp over each rank's share of the
-        vocabulary where loss_parallel is on (trainer/parallel/apply.py); torchtitan computes the loss on the whole
-        logits, cast to fp32."""
+        """loom's chunked cross-entropy (no full logits) runs in the model or its last pipeline stage, under tp
+        over each rank's share of the vocabulary where loss_parallel is on (trainer/parallel/apply.py); torchtitan
+        computes the loss on the whole logits, cast to fp32."""
         parallel = self.parallel
-        return self.runtime == "loom" and parallel.pp == 1 and (parallel.tp == 1 or parallel.loss_parallel)
+        return self.runtime == "loom" and (parallel.tp == 1 or parallel.loss_parallel)

@@ -314,7 +314,10 @@ def logits_term(layout: Layout, held: float) -> Term:
             (e + 4) * rows_vocab,
             f"chunked: one chunk of logits ≈ the hidden states, (e + 4 B fp32) × s·b·h = {e + 4} × {count(rows_vocab)}",
         )
-    logits = s * b * model.vocab / layout.parallel.tp
+    # Loss parallel (always, in Megatron) keeps each tp rank's share of the vocabulary; without it the logits
+    # are gathered whole on every rank.
+    vocab_split = layout.parallel.tp if layout.parallel.loss_parallel or layout.runtime == "megatron" else 1
+    logits = s * b * model.vocab / vocab_split
     kept_bytes = 4 * logits * held
     if layout.runtime == "megatron":
         # Its fused vocab-parallel cross-entropy turns the kept softmax into the gradient in place.
@@ -329,7 +332,7 @@ def logits_term(layout: Layout, held: float) -> Term:
         "logits and cross-entropy",
         kept_bytes + transient,
         f"fp32 log-probabilities kept per microbatch in flight (4 B × s·b·V/t × {count(held)}) + {what}, "
-        f"s·b·V/t = {count(logits)}",
+        f"s·b·V/t = {count(logits)} (t = {vocab_split})",
     )
 
 

@@ -858,7 +858,7 @@ class Pricer:
             one_sequence = self._layout(candidate._replace(micro_batch=pipeline.microbatches))
             self._buffers[buffers_key] = total(pipeline_buffer_term(one_sequence))
         # Whether the loss is chunked (Layout.fused_loss) and whether FSDP holds the parameters.
-        fused_loss = pp == 1 and (tp == 1 or self.space.base.parallel.loss_parallel)
+        fused_loss = tp == 1 or self.space.base.parallel.loss_parallel
         same = (tp, cp, recompute, fused_loss, fully_shards(candidate))
         if same not in self._layer_activations:
             one_sequence = one_sequence or self._layout(candidate._replace(micro_batch=pipeline.microbatches))
