@@ -73,6 +73,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -502,12 +503,12 @@ class Placement:
     """The ranks of each signature, in the order of `distinct`: ranks alike hold the same model states, so
     the fullest of them is the one with most activations."""
 
-    @property
+    @cached_property
     def alike_order(self) -> list[int]:
         """Every rank, those alike together (for np.maximum.reduceat at `alike_starts`)."""
         return [rank for ranks in self.alike for rank in ranks]
 
-    @property
+    @cached_property
     def alike_starts(self) -> list[int]:
         return [sum(len(ranks) for ranks in self.alike[:index]) for index in range(len(self.alike))]
 
@@ -556,7 +557,7 @@ class PlacementLayouts:
     pipelines: list[PipelineChoice]
     states: StateTable
 
-    @property
+    @cached_property
     def schedule_index(self) -> np.ndarray:
         """Each pipeline choice's schedule, numbered."""
         schedules = {pipeline.schedule: index for index, pipeline in enumerate(self.pipelines)}
@@ -731,17 +732,18 @@ class Pricer:
             moded = leanest._replace(recompute=recompute)
             peaks = np.empty((len(placed.pipelines), len(states.choices)))
             # The residual stream's dtype, and so the activations, depend on whether FSDP holds the parameters.
+            activations_if_sharded = {}
             for sharded in (False, True):
                 rows = np.flatnonzero(states.sharded == sharded)
                 if rows.size:
                     activations = self._activation_bytes(moded._replace(data=states.choices[rows[0]]), placed.pipelines)
+                    activations_if_sharded[sharded] = activations
                     held = states.state_bytes[rows][np.newaxis] + activations[:, np.newaxis]
                     peaks[:, rows] = reserved_bytes(held.max(axis=2))
             if one_pass:
                 for row in states.filled:
                     # One replica, one pass, one stage: the gradients fill in as backward frees the activations.
-                    layout = moded._replace(data=states.choices[row])
-                    (activation,) = self._activation_bytes(layout, placed.pipelines)[0]
+                    (activation,) = activations_if_sharded[bool(states.sharded[row])][0]
                     (held,), (gradients, copies, first) = states.state_bytes[row], states.fills[row]
                     at_peak = gradients_held_at_the_peak(gradients, activation + copies, first)
                     peaks[0, row] = reserved_bytes(held - gradients + at_peak + activation)
