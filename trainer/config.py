@@ -782,7 +782,6 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
     """Fields the planner estimates but this trainer does not run yet, keyed by field."""
     model, parallel = config.model, config.parallel
     reasons = {
-        "model.mlp": (model.mlp != "swiglu", "the trainer runs SwiGLU blocks only; use swiglu"),
         "model.tie_embeddings": (model.tie_embeddings, "the trainer keeps embedding and output apart; use false"),
         "model.experts": (model.experts > 1, "the trainer runs dense models only (mixture of experts is planned)"),
         "parallel.zero_stage": (

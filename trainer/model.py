@@ -1,4 +1,5 @@
-"""A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU.
+"""A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU (or, with
+model.mlp gelu, GPT-3's two-matrix GELU feed-forward block).
 
 The model holds no parallelism; trainer.parallel applies it from outside. Pipeline stages are copies
 of this model with the parts other stages own set to None, so every parameter keeps its name.
@@ -117,6 +118,18 @@ class SwiGLU(nn.Module):
         return self.w2(self.kernels.swiglu(self.w1(x), self.w3(x)))
 
 
+class GELUFeedForward(nn.Module):
+    """w2(gelu(w1 x)), with GELU's tanh approximation, as GPT-2 and GPT-3 trained: PyTorch runs it as one kernel."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
+        self.w2 = nn.Linear(cfg.ffn, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
 class Block(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
@@ -125,7 +138,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.attention = Attention(cfg, kernels)
         self.mlp_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, kernels)
+        self.mlp = SwiGLU(cfg, kernels) if cfg.mlp == "swiglu" else GELUFeedForward(cfg)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None = None

@@ -8,7 +8,9 @@ The model runs the kernels the trainer would (trainer/parallel/apply.py): the Tr
 tensor parallelism on each rank's local rows. Tensor-parallel layouts run on two processes over gloo, and rank 0's
 bytes are reported.
 
-    python tests/trainer/saved_activations.py '[[1, false, "none", "fp32"], [2, true, "full", "bf16"]]'
+A layout is [tp, sequence_parallel, recompute, precision, mlp]:
+
+    python tests/trainer/saved_activations.py '[[2, true, "full", "bf16", "gelu"]]'
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ MODEL = {"dim": 48, "heads": 4, "kv_heads": 2, "ffn": 136, "vocab": 260, "seq_le
 MICRO_BATCH = 2
 
 
-def layout_config(tp: int, sequence_parallel: bool, recompute: str, precision: str, layers: int) -> RunConfig:
+def layout_config(
+    tp: int, sequence_parallel: bool, recompute: str, precision: str, mlp: str, layers: int
+) -> RunConfig:
     document = {
-        "model": MODEL | {"layers": layers},
+        "model": MODEL | {"layers": layers, "mlp": mlp},
         "parallel": {"tp": tp, "sequence_parallel": sequence_parallel},
         "compute": {"precision": precision, "recompute": recompute},
         "data": {"micro_batch": MICRO_BATCH},
@@ -65,8 +69,8 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str, layers: int) -> int:
-    config = layout_config(tp, sequence_parallel, recompute, precision, layers)
+def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str, mlp: str, layers: int) -> int:
+    config = layout_config(tp, sequence_parallel, recompute, precision, mlp, layers)
     torch.manual_seed(0)
     model = Transformer(config.model)
     kernels = kernels_for("triton", torch.device("cpu"))
@@ -108,7 +112,7 @@ def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str,
     return sum(kept.values())
 
 
-def second_layer_bytes(layouts: list[tuple[int, bool, str, str]]) -> dict[str, int]:
+def second_layer_bytes(layouts: list[tuple[int, bool, str, str, str]]) -> dict[str, int]:
     return {json.dumps(layout): kept_bytes(*layout, layers=2) - kept_bytes(*layout, layers=1) for layout in layouts}
 
 
@@ -123,7 +127,7 @@ def measure_on_a_rank(rank: int, layouts: list, store: str, results: str) -> Non
         dist.destroy_process_group()
 
 
-def main(layouts: list[tuple[int, bool, str, str]]) -> dict[str, int]:
+def main(layouts: list[tuple[int, bool, str, str, str]]) -> dict[str, int]:
     measured = second_layer_bytes([layout for layout in layouts if layout[0] == 1])
     tensor_parallel = [layout for layout in layouts if layout[0] > 1]
     if tensor_parallel:

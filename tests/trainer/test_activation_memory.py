@@ -16,9 +16,15 @@ from trainer.plan.layout import Layout
 from trainer.plan.memory import layer_tensors
 
 LAYOUTS = [
-    (tp, sequence_parallel, recompute, precision)
+    (tp, sequence_parallel, recompute, precision, "swiglu")
     for (tp, sequence_parallel), recompute, precision in itertools.product(
         [(1, False), (2, False), (2, True)], ["none", "selective", "full"], ["fp32", "bf16"]
+    )
+] + [
+    # GPT-3's GELU block keeps its own tensors where the MLP keeps any (not under full recompute).
+    (tp, sequence_parallel, recompute, precision, "gelu")
+    for (tp, sequence_parallel), recompute, precision in itertools.product(
+        [(1, False), (2, True)], ["none", "selective"], ["fp32", "bf16"]
     )
 ]
 
@@ -36,9 +42,9 @@ def measured() -> dict[str, int]:
     return json.loads(finished.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize(("tp", "sequence_parallel", "recompute", "precision"), LAYOUTS)
-def test_the_planner_counts_what_a_layer_keeps(measured, tp, sequence_parallel, recompute, precision):
-    layout = Layout(layout_config(tp, sequence_parallel, recompute, precision, layers=1))
+@pytest.mark.parametrize(("tp", "sequence_parallel", "recompute", "precision", "mlp"), LAYOUTS)
+def test_the_planner_counts_what_a_layer_keeps(measured, tp, sequence_parallel, recompute, precision, mlp):
+    layout = Layout(layout_config(tp, sequence_parallel, recompute, precision, mlp, layers=1))
     tensors = layer_tensors(layout, Shape.of(layout.model, layout.model.seq_len, MICRO_BATCH))
     planned = layer_bytes(tensors, recompute, tp, sequence_parallel and tp > 1)
-    assert planned == measured[json.dumps([tp, sequence_parallel, recompute, precision])]
+    assert planned == measured[json.dumps([tp, sequence_parallel, recompute, precision, mlp])]

@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from trainer.checkpoint import MANIFEST, CheckpointCorrupt, verify, write_manifest
+from trainer.checkpoint import MANIFEST, CheckpointCorrupt, CheckpointError, verify, write_manifest
 from trainer.config import ModelConfig
 from trainer.hf.__main__ import main as hf_cli
-from trainer.hf.exporting import export_checkpoint, load_model_state
+from trainer.hf.exporting import export_checkpoint, load_model_state, model_of
 from trainer.hf.importing import ImportRefused, import_model
 from trainer.hf.names import hf_name, loom_name
 from trainer.model import Transformer
@@ -405,3 +405,10 @@ def test_export_refuses_a_corrupt_checkpoint_naming_the_file(trained, tmp_path, 
     assert f"{damaged.name}/{shard.name}: sha256 mismatch" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
     assert (damaged / MANIFEST).is_file()
+
+
+def test_export_refuses_a_model_hugging_faces_llama_cannot_hold_saying_what_differs(tmp_path):
+    manifest = {"model": {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "mlp": "gelu"}}
+    with pytest.raises(CheckpointError, match="gelu feed-forward blocks; the export writes Hugging Face's Llama"):
+        model_of(manifest, tmp_path / "step-00000004")
+    assert model_of({**manifest, "model": {**manifest["model"], "mlp": "swiglu"}}, tmp_path).mlp == "swiglu"

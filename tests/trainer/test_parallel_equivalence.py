@@ -129,6 +129,38 @@ def test_triton_kernels_train_like_a_single_process_in(name, single_process, tmp
     assert_trains_like(run, single_process)
 
 
+# GPT-3's two-matrix GELU feed-forward block (model.mlp gelu): the model alone, and where the layout touches the
+# block, under tensor parallelism (no w3 to split), with FSDP and on pipeline stages.
+GELU_LAYOUTS = ["dp2xtp2", "tp2_sp", "pp2_1f1b"]
+
+
+def gelu(document: dict) -> dict:
+    document = copy.deepcopy(document)
+    document["model"]["mlp"] = "gelu"
+    return document
+
+
+@pytest.fixture(scope="module")
+def gelu_single_process(tmp_path_factory):
+    run = run_trainer(tmp_path_factory.mktemp("gelu-single"), gelu(REFERENCE))
+    assert run.returncode == 0, run.output[-4000:]
+    assert_planner_predicts_state_bytes(run, gelu(REFERENCE))
+    return run
+
+
+def test_the_gelu_block_learns_other_losses_than_swiglu(gelu_single_process, single_process):
+    assert not np.allclose(gelu_single_process.loss_means(), single_process.loss_means(), rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", GELU_LAYOUTS)
+def test_a_gelu_layout_matches_a_single_process(name, gelu_single_process, tmp_path):
+    document = gelu(LAYOUTS[name])
+    run = run_trainer(tmp_path, document)
+    assert run.returncode == 0, run.output[-4000:]
+    assert_planner_predicts_state_bytes(run, document)
+    assert_trains_like(run, gelu_single_process)
+
+
 def test_bf16_mixed_precision_under_fsdp_tracks_the_fp32_losses(single_process, tmp_path):
     document = layout(2, dp_shard=2)
     document["compute"]["precision"] = "bf16"

@@ -80,8 +80,10 @@ def assert_trains_like(run: FinishedRun, reference: FinishedRun) -> None:
     """The run's per-step loss means within 1e-5 (relative) of the reference's, and the same final parameters.
 
     Sums in another order differ in the last bits, and Adam divides by sqrt(v): on entries whose gradient is near
-    zero that noise becomes an update of up to ~1e-5. A layout bug (a missing reduction, a wrong shard) moves
-    parameters by the learning rate, 3e-3."""
+    zero that noise becomes an update of ~1e-5, and on the rare entry whose gradient is all noise (a GELU unit that
+    hardly fires) of ~1e-4. A layout bug (a missing reduction, a wrong shard) moves the parameters it touches by
+    the learning rate, 3e-3: every entry must be within a third of that, all but 0.1 % of them within 1e-4, and
+    those together within 1e-4 of the tensor's norm."""
     expected, actual = reference.loss_means(), run.loss_means()
     assert len(actual) == len(expected)
     for step, (want, got) in enumerate(zip(expected, actual, strict=True), start=1):
@@ -89,9 +91,11 @@ def assert_trains_like(run: FinishedRun, reference: FinishedRun) -> None:
     wanted, parameters = reference.parameters(), run.parameters()
     assert sorted(parameters) == sorted(wanted)
     for name, tensor in wanted.items():
-        difference = parameters[name] - tensor
-        assert difference.abs().max() <= 1e-4, name
-        assert difference.norm() <= 1e-4 * tensor.norm(), name
+        difference = (parameters[name] - tensor).abs()
+        assert difference.max() <= 1e-3, name
+        noise = difference > 1e-4
+        assert noise.sum() <= difference.numel() // 1000, name
+        assert difference[~noise].norm() <= 1e-4 * tensor.norm(), name
 
 
 def _last_lines(text: str) -> str:

@@ -44,8 +44,17 @@ def model_of(manifest: dict[str, Any], checkpoint_dir: Path) -> ModelConfig:
         model = ModelConfig.model_validate(manifest.get("model") or {})
     except ValidationError as error:
         raise CheckpointError(f"{checkpoint_dir.name}: its manifest's model section is invalid ({error})") from None
-    if model.tie_embeddings or model.experts > 1 or model.mlp != "swiglu":
-        raise CheckpointError(f"{checkpoint_dir.name}: its model is no plain Llama (untied, dense, SwiGLU)")
+    unlike_llama = {
+        "tied embeddings": model.tie_embeddings,
+        f"{model.experts} experts": model.experts > 1,
+        f"{model.mlp} feed-forward blocks": model.mlp != "swiglu",
+    }
+    differences = [what for what, differs in unlike_llama.items() if differs]
+    if differences:
+        raise CheckpointError(
+            f"{checkpoint_dir.name}: its model has {', '.join(differences)}; the export writes Hugging Face's Llama "
+            "(untied, dense, SwiGLU)"
+        )
     return model
 
 

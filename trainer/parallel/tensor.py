@@ -17,7 +17,7 @@ from trainer.model import Transformer
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool):
-    """Megatron-style: q/k/v and w1/w3 split by output columns, wo and w2 by input rows, so each block
+    """Megatron-style: q/k/v and w1 (and SwiGLU's w3) split by output columns, wo and w2 by input rows, so each block
     needs one reduction forward and one backward. With sequence parallel, norms and residuals hold a
     1/tp slice of the sequence and the reductions become reduce-scatter + all-gather pairs."""
     between_blocks = Shard(1) if sequence_parallel else Replicate()
@@ -45,9 +45,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             "attention.wo": RowwiseParallel(output_layouts=between_blocks),
             "mlp": PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),)),
             "mlp.w1": ColwiseParallel(),
-            "mlp.w3": ColwiseParallel(),
             "mlp.w2": RowwiseParallel(output_layouts=between_blocks),
         }
+        if hasattr(block.mlp, "w3"):
+            plan["mlp.w3"] = ColwiseParallel()
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["mlp_norm"] = SequenceParallel()
