@@ -782,7 +782,10 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
     """Fields the planner estimates but this trainer does not run yet, keyed by field."""
     model, parallel = config.model, config.parallel
     reasons = {
-        "model.tie_embeddings": (model.tie_embeddings, "the trainer keeps embedding and output apart; use false"),
+        "model.tie_embeddings": (
+            model.tie_embeddings and parallel.pp > 1,
+            "the trainer ties embedding and output within one pipeline stage only; use pp 1 or false",
+        ),
         "model.experts": (model.experts > 1, "the trainer runs dense models only (mixture of experts is planned)"),
         "parallel.zero_stage": (
             parallel.zero_stage in (1, 2),

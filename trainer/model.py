@@ -149,7 +149,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token embedding, `layers` blocks, final RMSNorm and an untied projection to the vocabulary."""
+    """Token embedding, `layers` blocks, final RMSNorm and a projection to the vocabulary: its own matrix, or with
+    model.tie_embeddings the embedding's (one parameter, named embedding.weight and output.weight both)."""
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet = TORCH_KERNELS):
         super().__init__()
@@ -161,6 +162,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict({str(index): Block(cfg, kernels) for index in range(cfg.layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.tie_output()
         cos, sin = rotary_tables(cfg.seq_len, cfg.dim // cfg.heads, cfg.rope_theta, cfg.rope_scaling)
         # Non-persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -178,6 +180,12 @@ class Transformer(nn.Module):
                 continue
             is_residual_projection = name.endswith(("attention.wo.weight", "mlp.w2.weight"))
             nn.init.normal_(parameter, mean=0.0, std=residual_std if is_residual_projection else INIT_STD)
+
+    def tie_output(self) -> None:
+        """With tied embeddings, make the output layer use the embedding's parameter; again after parallelism has
+        replaced one of them (both are split over the vocabulary, so their placements agree)."""
+        if self.cfg.tie_embeddings and self.embedding is not None and self.output is not None:
+            self.output.weight = self.embedding.weight
 
     def use_kernels(self, kernels: KernelSet) -> None:
         """Switch every fused op of the model to another implementation (same results)."""

@@ -220,6 +220,16 @@ def test_the_best_runnable_layout_is_the_best_runnable_one_of_the_full_ranking(m
     assert best.tokens_per_s == pytest.approx(ranking[0].tokens_per_s, rel=1e-12)
 
 
+def test_a_runnable_only_search_keeps_tied_embeddings_on_one_pipeline_stage():
+    # GPT-3's shape (GELU blocks, tied embeddings), cut to 8 layers: the trainer ties within one stage only.
+    model = {"preset": "gpt3-175b", "layers": 8, "dim": 1024, "heads": 16, "kv_heads": 16, "ffn": 4096}
+    cluster = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 8}
+    every = search(model, cluster, 16, limit=1000)
+    assert any(found.config.parallel.pp > 1 for found in every.results)
+    runnable = search(model, cluster, 16, limit=1000, runnable_only=True)
+    assert runnable.results and all(found.config.parallel.pp == 1 for found in runnable.results + runnable.pareto)
+
+
 @pytest.mark.parametrize(
     ("model", "options", "field"),
     [

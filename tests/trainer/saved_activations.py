@@ -44,9 +44,7 @@ MODEL = {"dim": 48, "heads": 4, "kv_heads": 2, "ffn": 136, "vocab": 260, "seq_le
 MICRO_BATCH = 2
 
 
-def layout_config(
-    tp: int, sequence_parallel: bool, recompute: str, precision: str, mlp: str, layers: int
-) -> RunConfig:
+def layout_config(tp: int, sequence_parallel: bool, recompute: str, precision: str, mlp: str, layers: int) -> RunConfig:
     document = {
         "model": MODEL | {"layers": layers, "mlp": mlp},
         "parallel": {"tp": tp, "sequence_parallel": sequence_parallel},

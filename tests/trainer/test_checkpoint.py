@@ -556,3 +556,21 @@ def test_sigterm_commits_a_checkpoint_of_the_last_completed_step(tmp_path):
     assert verify(checkpoint)["step"] == last_step
     (committed,) = checkpoint_events(run, "committed")
     assert committed["step"] == last_step and committed["parent"] is None
+
+
+@pytest.mark.slow
+def test_a_tied_models_checkpoint_resumes_in_another_layout(tmp_path):
+    """One parameter under two names (embedding and output): FSDP saves it, tensor parallelism, which splits it over
+    the vocabulary for both layers, loads it and trains on as the straight run did."""
+    tied = {"model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 32}}
+    tied["model"]["tie_embeddings"] = True
+    directory = tmp_path / "checkpoints"
+    straight = run_trainer(
+        tmp_path / "straight", {**fsdp2({"interval_steps": HALF, "directory": str(directory)}), **tied}
+    )
+    assert straight.returncode == 0, straight.output[-4000:]
+    resumed = run_trainer(tmp_path / "resumed", {**document({"resume": str(directory / "step-000003")}, tp=2), **tied})
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert metric_steps(resumed) == list(range(HALF + 1, STEPS + 1))
+    assert_same_math(resumed, straight)
+    assert torch.equal(resumed.parameters()["embedding.weight"], resumed.parameters()["output.weight"])

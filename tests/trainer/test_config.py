@@ -233,3 +233,16 @@ def test_a_document_mask_needs_a_dataset_and_no_pipeline_or_context_parallelism(
         parse_config({**document, "data": data})
     assert message in refused.value.errors["data.document_mask"]
     assert parse_config({"data": {"dataset": "/data/tokens", "document_mask": True}, "parallel": {"tp": 2}})
+
+
+def test_tied_embeddings_run_within_one_pipeline_stage_and_are_refused_across_stages():
+    tied = {"model": {"layers": 4, "tie_embeddings": True}}
+    assert parse_config({**tied, "parallel": {"tp": 2, "dp_shard": 2}}).model.tie_embeddings
+    refused = errors_of({**tied, "parallel": {"pp": 2, "microbatches": 2}})
+    assert set(refused) == {"model.tie_embeddings"} and "pp 1" in refused["model.tie_embeddings"]
+    # The planner prices a tied model across stages all the same.
+    assert parse_config({**tied, "parallel": {"pp": 2, "microbatches": 2}}, runnable=False).parallel.pp == 2
+
+
+def test_gpt3s_gelu_blocks_run():
+    assert parse_config({"model": {"layers": 2, "mlp": "gelu"}, "parallel": {"tp": 2}}).model.mlp == "gelu"

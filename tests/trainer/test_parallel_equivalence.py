@@ -129,36 +129,57 @@ def test_triton_kernels_train_like_a_single_process_in(name, single_process, tmp
     assert_trains_like(run, single_process)
 
 
-# GPT-3's two-matrix GELU feed-forward block (model.mlp gelu): the model alone, and where the layout touches the
-# block, under tensor parallelism (no w3 to split), with FSDP and on pipeline stages.
-GELU_LAYOUTS = ["dp2xtp2", "tp2_sp", "pp2_1f1b"]
+# Model variants, each against a single process of its own, in the layouts that touch what they change: GPT-3's
+# two-matrix GELU feed-forward block (no w3 for tensor parallelism to split; FSDP; pipeline stages) and tied
+# embeddings (one matrix the embedding's and the output's tensor-parallel plans both split over the vocabulary,
+# with and without loss parallel; FSDP and DDP holding it once; context parallel).
+MODEL_VARIANTS = {"gelu": {"mlp": "gelu"}, "tied": {"tie_embeddings": True}}
+VARIANT_LAYOUTS = [
+    ("gelu", "dp2xtp2"),
+    ("gelu", "tp2_sp"),
+    ("gelu", "pp2_1f1b"),
+    ("tied", "dp2xtp2"),
+    ("tied", "tp2_no_sp"),
+    ("tied", "ddp2"),
+    ("tied", "cp2"),
+]
 
 
-def gelu(document: dict) -> dict:
+def with_model(document: dict, variant: str) -> dict:
     document = copy.deepcopy(document)
-    document["model"]["mlp"] = "gelu"
+    document["model"].update(MODEL_VARIANTS[variant])
     return document
 
 
 @pytest.fixture(scope="module")
-def gelu_single_process(tmp_path_factory):
-    run = run_trainer(tmp_path_factory.mktemp("gelu-single"), gelu(REFERENCE))
-    assert run.returncode == 0, run.output[-4000:]
-    assert_planner_predicts_state_bytes(run, gelu(REFERENCE))
-    return run
+def variant_single_process(tmp_path_factory):
+    """The single-process run of a model variant, run once when first asked for."""
+    runs: dict[str, FinishedRun] = {}
+
+    def single(variant: str) -> FinishedRun:
+        if variant not in runs:
+            document = with_model(REFERENCE, variant)
+            run = run_trainer(tmp_path_factory.mktemp(f"{variant}-single"), document)
+            assert run.returncode == 0, run.output[-4000:]
+            assert_planner_predicts_state_bytes(run, document)
+            runs[variant] = run
+        return runs[variant]
+
+    return single
 
 
-def test_the_gelu_block_learns_other_losses_than_swiglu(gelu_single_process, single_process):
-    assert not np.allclose(gelu_single_process.loss_means(), single_process.loss_means(), rtol=1e-3)
+@pytest.mark.parametrize("variant", list(MODEL_VARIANTS))
+def test_a_model_variant_learns_other_losses_than_the_default_model(variant, variant_single_process, single_process):
+    assert not np.allclose(variant_single_process(variant).loss_means(), single_process.loss_means(), rtol=1e-3)
 
 
-@pytest.mark.parametrize("name", GELU_LAYOUTS)
-def test_a_gelu_layout_matches_a_single_process(name, gelu_single_process, tmp_path):
-    document = gelu(LAYOUTS[name])
+@pytest.mark.parametrize(("variant", "name"), VARIANT_LAYOUTS)
+def test_a_model_variant_trains_like_its_single_process_in(variant, name, variant_single_process, tmp_path):
+    document = with_model(LAYOUTS[name], variant)
     run = run_trainer(tmp_path, document)
     assert run.returncode == 0, run.output[-4000:]
     assert_planner_predicts_state_bytes(run, document)
-    assert_trains_like(run, gelu_single_process)
+    assert_trains_like(run, variant_single_process(variant))
 
 
 def test_bf16_mixed_precision_under_fsdp_tracks_the_fp32_losses(single_process, tmp_path):

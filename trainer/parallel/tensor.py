@@ -34,6 +34,8 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             use_local_output=not loss_parallel,
         )
     parallelize_module(model, tp_mesh, top_level)
+    # Each plan made the shared matrix a DTensor of its own: Shard(0) over the vocabulary both times.
+    model.tie_output()
     for block in model.blocks.values():
         plan = {
             "attention": PrepareModuleInput(

@@ -123,9 +123,10 @@ def unsharded_embedding_gradient(layout: Layout, tensors: list[ParameterTensor])
     DTensor's backward of the row-wise (vocab-sharded) embedding yields the gradient over the whole
     vocabulary, pending reduction; FSDP2 reduces it into its shard at once (also when it only
     replicates: HSDP with one shard per replica), but without it or sharded gradients each tp rank
-    keeps all vocab × dim of it until the optimizer step."""
+    keeps all vocab × dim of it until the optimizer step. Tied to the output layer, whose column-parallel
+    gradient (a shard) the parameter takes first, it adds into that shard."""
     tp = layout.parallel.tp
-    if tp == 1 or layout.parallel.zero >= 2 or reduces_block_by_block(layout.parallel):
+    if tp == 1 or layout.parallel.zero >= 2 or reduces_block_by_block(layout.parallel) or layout.model.tie_embeddings:
         return 0
     return sum(t.copies * t.elements * (tp - 1) // tp for t in tensors if t.name == "embedding.weight")
 
