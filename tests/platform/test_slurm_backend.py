@@ -371,6 +371,9 @@ def test_a_node_that_loses_its_link_ends_the_job_as_a_node_failure_naming_it(bac
     spec = spec_for(tmp_path, attempt_id=401, exclude=("n1",), steps=100_000)
     handle = backend.submit(spec)
     assert wait_for_state(backend, {401: handle}, 401, RUNNING).nodes == ("n2", "n3")
+    # The job runs once its batch script does, before srun has launched the step on n3: cut the link then and the
+    # launch fails, which ends the job as the program's failure, not a node's.
+    wait_for(lambda: len(hosts_by_rank(spec.work_dir)) == 4, timeout=180, message="every rank to start")
     slurm_cluster.link_down("n3")
     try:
         ended = wait_for_state(backend, {401: handle}, 401, ENDED)
