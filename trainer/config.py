@@ -57,6 +57,46 @@ class RopeScaling(_Section):
         return high
 
 
+class MoEConfig(_Section):
+    """How a mixture-of-experts block routes its tokens (with model.experts > 1): a router scores every expert per
+    token, the top_k best are chosen, and their gates weight the experts' outputs."""
+
+    gate: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description="How router scores become gates: softmax over experts (Mixtral) or sigmoid (DeepSeek-V3).",
+    )
+    renormalize: bool = Field(
+        True, description="Rescale the chosen experts' gates to sum to 1 (Mixtral, DeepSeek-V3); false keeps them."
+    )
+    balance_loss: float = Field(
+        0.01,
+        ge=0,
+        le=10,
+        description=(
+            "Weight of the sequence-wise load-balancing loss (1 × weight when every expert gets its share of each "
+            "sequence, more when some get more); 0 = none."
+        ),
+    )
+    bias_update_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description=(
+            "DeepSeek-V3's auxiliary-loss-free balancing: after each step every expert's routing bias moves this "
+            "much towards equal load (the bias picks experts, it never weights them); 0 = off."
+        ),
+    )
+    capacity_factor: float | None = Field(
+        None,
+        gt=0,
+        le=64,
+        description=(
+            "Tokens an expert takes from one sequence, as a multiple of its even share (sequence length × top_k / "
+            "experts); the later ones past it are dropped and ride the residual. null: dropless."
+        ),
+    )
+
+
 class ModelConfig(_Section):
     """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
 
@@ -66,7 +106,12 @@ class ModelConfig(_Section):
     kv_heads: int = Field(
         2, ge=1, le=512, description="Key/value heads for grouped-query attention; must divide heads."
     )
-    ffn: int = Field(344, ge=8, le=262144, description="Inner size of the SwiGLU feed-forward block.")
+    ffn: int = Field(
+        344,
+        ge=8,
+        le=262144,
+        description="Inner size of the feed-forward block (of each expert in a mixture of experts).",
+    )
     vocab: int = Field(
         BYTE_VOCAB, ge=BYTE_VOCAB, le=1_000_000, description="Vocabulary size; at least 256 for byte-level tokens."
     )
@@ -91,6 +136,7 @@ class ModelConfig(_Section):
         1, ge=1, le=1024, description="Feed-forward experts per block (mixture of experts); 1 = dense."
     )
     top_k: int = Field(1, ge=1, le=64, description="Experts each token is routed to; at most experts.")
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="Routing of mixture-of-experts blocks.")
 
     @field_validator("heads")
     @classmethod
@@ -786,7 +832,24 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
             model.tie_embeddings and parallel.pp > 1,
             "the trainer ties embedding and output within one pipeline stage only; use pp 1 or false",
         ),
-        "model.experts": (model.experts > 1, "the trainer runs dense models only (mixture of experts is planned)"),
+        "model.experts": (
+            model.experts > 1 and parallel.tp > 1,
+            "the trainer runs mixture-of-experts models without tensor parallelism so far; use tp 1",
+        ),
+        "parallel.ep": (
+            parallel.ep > 1 and parallel.sharding_ranks % parallel.ep != 0,
+            f"the trainer spreads experts over the dp_shard × cp = {parallel.sharding_ranks} ranks that shard the "
+            f"model; use a divisor of it",
+        ),
+        "model.moe.capacity_factor": (
+            model.experts > 1 and model.moe.capacity_factor is not None and parallel.cp > 1,
+            "an expert's capacity is counted over whole sequences, which context parallelism splits; use null "
+            "(dropless) or cp 1",
+        ),
+        "compute.compile": (
+            model.experts > 1 and config.compute.compile,
+            "the trainer runs mixture-of-experts blocks eagerly so far; use false",
+        ),
         "parallel.zero_stage": (
             parallel.zero_stage in (1, 2),
             "the trainer shards with FSDP (ZeRO-3) or not at all; use 3, 0 or null",

@@ -1,5 +1,5 @@
 """A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU (or, with
-model.mlp gelu, GPT-3's two-matrix GELU feed-forward block).
+model.mlp gelu, GPT-3's two-matrix GELU feed-forward block; with model.experts > 1, a mixture of experts: moe.py).
 
 The model holds no parallelism; trainer.parallel applies it from outside. Pipeline stages are copies
 of this model with the parts other stages own set to None, so every parameter keeps its name.
@@ -15,6 +15,7 @@ from torch import nn
 
 from trainer.config import NORM_EPS, ROPE_BASE, ModelConfig, RopeScaling
 from trainer.kernels import TORCH_KERNELS, KernelSet
+from trainer.moe import MoEFeedForward
 
 INIT_STD = 0.02
 
@@ -130,6 +131,12 @@ class GELUFeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
+def feed_forward(cfg: ModelConfig, kernels: KernelSet) -> nn.Module:
+    if cfg.experts > 1:
+        return MoEFeedForward(cfg, kernels)
+    return SwiGLU(cfg, kernels) if cfg.mlp == "swiglu" else GELUFeedForward(cfg)
+
+
 class Block(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
@@ -138,7 +145,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.attention = Attention(cfg, kernels)
         self.mlp_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, kernels) if cfg.mlp == "swiglu" else GELUFeedForward(cfg)
+        self.mlp = feed_forward(cfg, kernels)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None = None
@@ -178,7 +185,7 @@ class Transformer(nn.Module):
         for name, parameter in self.named_parameters():
             if parameter.dim() < 2:
                 continue
-            is_residual_projection = name.endswith(("attention.wo.weight", "mlp.w2.weight"))
+            is_residual_projection = name.endswith(("attention.wo.weight", "mlp.w2.weight", "mlp.experts.w2"))
             nn.init.normal_(parameter, mean=0.0, std=residual_std if is_residual_projection else INIT_STD)
 
     def tie_output(self) -> None:

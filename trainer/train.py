@@ -36,9 +36,11 @@ from trainer.data.sampler import TokenSampler, open_dataset
 from trainer.metrics import memory, mfu, model_flops_per_token, own_work, peak_flops, state_bytes
 from trainer.model import Transformer
 from trainer.parallel.apply import ParallelModel, parallelize
+from trainer.parallel.expert import routing_step
 from trainer.parallel.grads import clip_gradients
 from trainer.parallel.mesh import MESH_DIMS, ParallelMesh
 from trainer.parallel.state import dump_full_parameters
+from trainer.plan.parameters import active_parameters, embedding_parameters
 from trainer.telemetry import TelemetryClient, TelemetryLogHandler
 
 # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM, so launchers read it as a stop.
@@ -172,7 +174,10 @@ def train(
     torch.manual_seed(config.data.seed)
     model = Transformer(config.model).to(device)
     params_total = model.num_params()
-    flops_per_token = model_flops_per_token(config.model, params_total - model.embedding.weight.numel())
+    # A token's matmuls touch its top_k experts of each mixture-of-experts block, not all of them.
+    flops_per_token = model_flops_per_token(
+        config.model, active_parameters(config.model) - embedding_parameters(config.model)
+    )
     peak = peak_flops(device)
     global_tokens = config.tokens_per_step
     sampler = training_data(config)
@@ -252,6 +257,9 @@ def train(
                 if update:
                     checkpointer.before_update()
                     optimizer.step()
+                experts = routing_step(
+                    parallel_model.state_modules, mesh, config.model.moe.bias_update_rate if update else 0.0
+                )
 
                 # One collective per step carries the loss sum, how many ranks hold a loss (only the last
                 # pipeline stage does), the stop vote and the checkpoint-clock vote, so every rank leaves
@@ -277,6 +285,8 @@ def train(
                 metrics["loss"] = local_loss
             if not update:
                 metrics["update_skipped"] = 1.0
+            if experts and mesh.rank_in("dp_cp") == 0 and mesh.rank_in("tp") == 0:
+                metrics["experts"] = experts
             if evaluation_due(step, config):
                 metrics["eval_loss"] = validation_loss(parallel_model, validation, device)
             if step == first_step:

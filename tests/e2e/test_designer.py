@@ -257,8 +257,10 @@ def test_launch_refuses_what_the_trainer_cannot_run_beside_the_field(designer):
     page = designer
     page.select_option("#design-preset", "mixtral-8x7b")
     wait_for_estimate(page, "estimate.config.model.experts === 8")
+    set_field(page, "parallel.tp", "2")
+    wait_for_estimate(page, "estimate.config.parallel.tp === 2")
     page.click("#launch")
-    expect(field_error(page, "model.experts")).to_contain_text("dense models only")
+    expect(field_error(page, "model.experts")).to_contain_text("without tensor parallelism")
     assert page.url.endswith("/plan/")
     page.select_option("#design-preset", "llama3-8b")  # a preset sets every model field, experts too
     expect(page.locator('[data-path="model.experts"]')).to_have_value("1")

@@ -169,7 +169,7 @@ def test_the_planner_estimates_what_the_trainer_refuses_to_run():
     mixtral = {"model": {"preset": "mixtral-8x7b"}, "parallel": {"dp_shard": 8, "ep": 8}}
     assert estimate(mixtral, {"nodes": 1}).layout.model.experts == 8
     with pytest.raises(ConfigError) as refused:
-        parse_config({"model": {"experts": 8, "top_k": 2}})
+        parse_config({"model": {"experts": 8, "top_k": 2}, "parallel": {"tp": 2}})
     assert "model.experts" in refused.value.errors
 
 

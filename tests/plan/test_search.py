@@ -230,10 +230,20 @@ def test_a_runnable_only_search_keeps_tied_embeddings_on_one_pipeline_stage():
     assert runnable.results and all(found.config.parallel.pp == 1 for found in runnable.results + runnable.pareto)
 
 
+def test_a_runnable_only_search_of_a_mixture_of_experts_keeps_to_what_the_trainer_runs_of_it():
+    model = {"preset": "mixtral-8x7b", "layers": 2}
+    cluster = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 4}
+    every = search(model, cluster, 8, limit=1000)
+    assert any(found.config.parallel.tp > 1 for found in every.results)
+    runnable = search(model, cluster, 8, limit=1000, runnable_only=True)
+    layouts = [found.config.parallel for found in runnable.results + runnable.pareto]
+    assert any(parallel.ep > 1 for parallel in layouts)
+    assert all(parallel.tp == 1 and parallel.sharding_ranks % parallel.ep == 0 for parallel in layouts)
+
+
 @pytest.mark.parametrize(
     ("model", "options", "field"),
     [
-        ({"preset": "mixtral-8x7b", "layers": 2}, {}, "model.experts"),
         ({"preset": "llama3-8b", "layers": 4}, {"precision": "fp8"}, "compute.precision"),
     ],
 )

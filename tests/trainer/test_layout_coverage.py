@@ -15,7 +15,7 @@ import math
 
 from trainer.config import ConfigError, ParallelConfig, parse_config
 
-from .test_parallel_equivalence import LAYOUTS, REFERENCE
+from .test_parallel_equivalence import EXPERT_LAYOUTS, LAYOUTS, MODEL_VARIANTS, REFERENCE, VARIANT_LAYOUTS, with_model
 
 DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 DEGREES = (1, 2, 4, 8)
@@ -56,3 +56,56 @@ def test_every_runnable_kind_of_layout_has_a_layout_in_the_equivalence_matrix():
     }
     missing = sorted({kind(parallel) for parallel in runnable} - covered)
     assert not missing, f"kinds of layout the trainer runs that no equivalence layout covers: {missing}"
+
+
+# A mixture-of-experts layout adds its own branches to the dense ones: expert parallelism, experts sharded by FSDP
+# beyond it or replicated across HSDP's replicas, context parallelism adding up a sequence's routing totals and
+# pipeline stages keeping their shape inference out of the expert load. Each is a hook of its own, so the matrix
+# covers every pair of them (and of the data-parallel path) that the validator accepts together.
+MOE_MODEL = {**ROOMY_MODEL, **MODEL_VARIANTS["moe"], "experts": 8}
+
+
+def moe_features(parallel: ParallelConfig) -> frozenset[str]:
+    experts_split = parallel.ep > 1
+    features = {
+        "ep": experts_split,
+        "experts sharded": experts_split and parallel.sharding_ranks > parallel.ep,
+        "experts replicated": experts_split and parallel.dp_replicate > 1,
+        "cp": parallel.cp > 1,
+        "pp": parallel.pp > 1,
+    }
+    return frozenset({name for name, present in features.items() if present} | {parallel.data_parallel_path})
+
+
+def runnable_moe_layouts() -> list[ParallelConfig]:
+    dims = ("dp_replicate", "dp_shard", "pp", "cp", "ep")
+    accepted = []
+    for degrees in itertools.product(DEGREES, repeat=len(dims)):
+        parallel = dict(zip(dims, degrees, strict=True))
+        if math.prod(degrees[:-1]) > MAX_WORLD_SIZE:
+            continue
+        if parallel["pp"] > 1:
+            parallel["microbatches"] = parallel["pp"]
+        try:
+            accepted.append(parse_config({**REFERENCE, "model": MOE_MODEL, "parallel": parallel}).parallel)
+        except ConfigError:
+            continue
+    return accepted
+
+
+def test_every_pair_of_mixture_of_experts_branches_the_trainer_runs_is_in_the_equivalence_matrix():
+    layouts = [REFERENCE] + [
+        LAYOUTS.get(name) or EXPERT_LAYOUTS[name] for variant, name in VARIANT_LAYOUTS if variant == "moe"
+    ]
+    covered = [moe_features(parse_config(with_model(document, "moe")).parallel) for document in layouts]
+    runnable = runnable_moe_layouts()
+    assert any(parallel.ep == 8 for parallel in runnable)
+    pairs = {
+        frozenset(pair)
+        for parallel in runnable
+        for pair in itertools.combinations_with_replacement(moe_features(parallel), 2)
+    }
+    missing = sorted(sorted(pair) for pair in pairs if not any(pair <= features for features in covered))
+    assert not missing, (
+        f"pairs of mixture-of-experts branches the trainer runs that no equivalence layout covers: {missing}"
+    )

@@ -85,6 +85,16 @@ LAYOUTS = {
     "fsdp2xtp2xcp2": layout(2, dp_shard=2, tp=2, cp=2),
     "pp2xtp2xcp2": layout(pp=2, tp=2, cp=2, microbatches=2),
 }
+# Expert parallelism, for mixture-of-experts models only (MODEL_VARIANTS["moe"]): experts split over ep of the
+# ranks that shard the model; beside it, experts sharded by FSDP over the rest, replicated across HSDP's replicas,
+# context-parallel ranks holding parts of the same sequences and pipeline stages (test_layout_coverage: every pair
+# of those the validator accepts).
+EXPERT_LAYOUTS = {
+    "fsdp2_ep2": layout(2, dp_shard=2, ep=2),
+    "hsdp2x2xcp2_ep2": layout(4, dp_replicate=2, dp_shard=2, cp=2, ep=2),
+    "hsdp2x2xpp2_ep2": layout(4, dp_replicate=2, dp_shard=2, pp=2, ep=2, microbatches=2),
+    "fsdp2xcp2xpp2_ep2": layout(2, dp_shard=2, cp=2, pp=2, ep=2, microbatches=2),
+}
 
 
 def assert_planner_predicts_state_bytes(run: FinishedRun, document: dict) -> None:
@@ -133,7 +143,13 @@ def test_triton_kernels_train_like_a_single_process_in(name, single_process, tmp
 # two-matrix GELU feed-forward block (no w3 for tensor parallelism to split; FSDP; pipeline stages) and tied
 # embeddings (one matrix the embedding's and the output's tensor-parallel plans both split over the vocabulary,
 # with and without loss parallel; FSDP and DDP holding it once; context parallel).
-MODEL_VARIANTS = {"gelu": {"mlp": "gelu"}, "tied": {"tie_embeddings": True}}
+MODEL_VARIANTS = {
+    "gelu": {"mlp": "gelu"},
+    "tied": {"tie_embeddings": True},
+    # A mixture of experts every layout runs alike: routing ties go to the lower expert, and the balance loss and
+    # the capacity are counted per sequence, so data parallelism and microbatches leave them as they are.
+    "moe": {"experts": 4, "top_k": 2, "moe": {"balance_loss": 0.05, "bias_update_rate": 0.01}},
+}
 VARIANT_LAYOUTS = [
     ("gelu", "dp2xtp2"),
     ("gelu", "tp2_sp"),
@@ -142,6 +158,9 @@ VARIANT_LAYOUTS = [
     ("tied", "tp2_no_sp"),
     ("tied", "ddp2"),
     ("tied", "cp2"),
+    ("moe", "ddp2"),
+    ("moe", "pp2_1f1b"),
+    *[("moe", name) for name in EXPERT_LAYOUTS],
 ]
 
 
@@ -175,7 +194,7 @@ def test_a_model_variant_learns_other_losses_than_the_default_model(variant, var
 
 @pytest.mark.parametrize(("variant", "name"), VARIANT_LAYOUTS)
 def test_a_model_variant_trains_like_its_single_process_in(variant, name, variant_single_process, tmp_path):
-    document = with_model(LAYOUTS[name], variant)
+    document = with_model(LAYOUTS.get(name) or EXPERT_LAYOUTS[name], variant)
     run = run_trainer(tmp_path, document)
     assert run.returncode == 0, run.output[-4000:]
     assert_planner_predicts_state_bytes(run, document)

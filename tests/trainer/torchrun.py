@@ -49,8 +49,8 @@ class FinishedRun:
             if event["kind"] == kind
         ]
 
-    def loss_means(self) -> list[float]:
-        """The all-rank loss mean of every step, as rank 0 reported it."""
+    def rank0_metrics(self) -> list[dict]:
+        """Rank 0's metric payloads, one per step, in step order."""
         metrics = [
             event
             for batch in read_spool(self.spool_dir)
@@ -58,7 +58,15 @@ class FinishedRun:
             for event in batch["events"]
             if event["kind"] == "metric"
         ]
-        return [event["payload"]["loss_mean"] for event in sorted(metrics, key=lambda event: event["step"])]
+        return [event["payload"] for event in sorted(metrics, key=lambda event: event["step"])]
+
+    def grad_norms(self) -> list[float]:
+        """The global gradient norm of every step, as rank 0 reported it."""
+        return [payload["grad_norm"] for payload in self.rank0_metrics()]
+
+    def loss_means(self) -> list[float]:
+        """The all-rank loss mean of every step, as rank 0 reported it."""
+        return [payload["loss_mean"] for payload in self.rank0_metrics()]
 
     def eval_losses(self) -> dict[int, dict[int, float]]:
         """{rank: {step: eval_loss}} over every metric event that carries one."""
@@ -88,6 +96,9 @@ def assert_trains_like(run: FinishedRun, reference: FinishedRun) -> None:
     assert len(actual) == len(expected)
     for step, (want, got) in enumerate(zip(expected, actual, strict=True), start=1):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    # Adam all but hides a gradient scaled by a constant; the gradient's norm shows it.
+    for step, (want, got) in enumerate(zip(reference.grad_norms(), run.grad_norms(), strict=True), start=1):
+        assert abs(got - want) <= 1e-4 * want, f"step {step}: gradient norm {got} vs {want}"
     wanted, parameters = reference.parameters(), run.parameters()
     assert sorted(parameters) == sorted(wanted)
     for name, tensor in wanted.items():

@@ -1,6 +1,6 @@
 """parallelize(): every form of parallelism applied to the model in one place and a fixed order.
 
-TP (+SP, loss parallel) → activation checkpointing → torch.compile per block → FSDP2/HSDP or DDP;
+TP (+SP, loss parallel) → CP → EP → activation checkpointing → torch.compile per block → FSDP2/HSDP or DDP;
 PP first cuts the model into stages and the rest is applied to each stage. (Under TP with full recompute
 the blocks are compiled before they are checkpointed: compiled.py says why.) The result runs a step's
 forwards and backwards, in gradient-accumulation passes, and evaluates batches forward only, in any layout."""
@@ -23,6 +23,7 @@ from trainer.model import Transformer
 from .compiled import recompute_and_compile
 from .context import apply_context_parallel
 from .data import apply_ddp, apply_fsdp, gradient_sync
+from .expert import apply_expert_parallel, moe_blocks
 from .local_kernels import on_local_shards
 from .loss import tensor_parallel_cross_entropy
 from .mesh import ParallelMesh
@@ -74,6 +75,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             apply_tensor_parallel(part, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel)
         if parallel.cp > 1:
             positions = apply_context_parallel(part, mesh["cp"]).to(device)
+        if mesh.experts is not None:
+            apply_expert_parallel(part, mesh.experts)
         recompute_and_compile(part, config.compute, parallel.tp > 1)
         if parallel.fully_shards:
             apply_fsdp(part, mesh, parallel, param_dtype)
@@ -95,6 +98,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
 
         def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             passes = list(zip(inputs.chunk(accumulation_steps), targets.chunk(accumulation_steps), strict=True))
+            scale_balance_losses(state_modules, 1.0 / len(passes))
             losses = []
             for index, (pass_inputs, pass_targets) in enumerate(passes):
                 with gradient_sync(module, enabled=index == len(passes) - 1):
@@ -139,6 +143,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
         def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
             losses: list[torch.Tensor] = []
             pipeline_loss.scale = 1.0 / passes_per_step
+            scale_balance_losses(state_modules, pipeline_loss.scale)
             passes = list(zip(inputs.chunk(accumulation_steps), targets.chunk(accumulation_steps), strict=True))
             for index, (pass_inputs, pass_targets) in enumerate(passes):
                 with gradients_reduced(schedule, reduced=index == len(passes) - 1):
@@ -167,6 +172,13 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
         return evaluate(inputs[:, positions], targets[:, positions])
 
     return ParallelModel(wrapped, context_parallel_forward_backward, context_parallel_evaluate, state_modules)
+
+
+def scale_balance_losses(modules: list[nn.Module], scale: float) -> None:
+    """Weight the MoE balance losses of each forward pass as the pass's language-model loss is weighted."""
+    for module in modules:
+        for moe in moe_blocks(module):
+            moe.balance_loss_scale = scale
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.config import ParallelConfig
 from trainer.model import Transformer
 
+from .expert import shard_experts
 from .mesh import ParallelMesh
 
 
@@ -24,6 +25,8 @@ def apply_fsdp(model: Transformer, mesh: ParallelMesh, parallel: ParallelConfig,
     dims = ("dp_replicate", "dp_shard_cp") if parallel.dp_replicate > 1 else ("dp_shard_cp",)
     # Parameters may compute in bf16, but gradients are reduced and kept in fp32 (master weights).
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if mesh.experts is not None:
+        shard_experts(model, mesh.experts, parallel, policy)
     for block in model.blocks.values():
         fully_shard(block, mesh=mesh[dims], mp_policy=policy, reshard_after_forward=parallel.reshard_after_forward)
     fully_shard(model, mesh=mesh[dims], mp_policy=policy, reshard_after_forward=parallel.reshard_after_forward)

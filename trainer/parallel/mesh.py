@@ -14,8 +14,13 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 class ParallelMesh:
     """Validates the degrees against the launch, builds the DeviceMesh, and hands out submeshes.
 
-    Derived dims: "dp" (dp_replicate × dp_shard: ranks that see different data) and "dp_shard_cp"
-    (the ranks FSDP shards over: context-parallel ranks hold the same parameters, so they shard too).
+    Derived dims: "dp" (dp_replicate × dp_shard: ranks that see different data), "dp_shard_cp"
+    (the ranks FSDP shards over: context-parallel ranks hold the same parameters, so they shard too) and
+    "dp_cp" (every rank that sees different tokens).
+
+    With expert parallelism, `experts` is the same dp_replicate × dp_shard × cp ranks as a mesh of their own:
+    "expert_replicate" (dp_replicate), "expert_shard" and innermost "ep", whose ranks hold different experts;
+    the ranks of expert_replicate × expert_shard hold the same ones, which FSDP shards over expert_shard.
     """
 
     def __init__(self, parallel: ParallelConfig, world_size: int, device_type: str):
@@ -29,6 +34,14 @@ class ParallelMesh:
         self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        data_ranks = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        self.experts: DeviceMesh | None = None
+        if parallel.ep > 1:
+            self.experts = data_ranks._unflatten(
+                0,
+                (parallel.dp_replicate, parallel.sharding_ranks // parallel.ep, parallel.ep),
+                ("expert_replicate", "expert_shard", "ep"),
+            )
 
     def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         return self.mesh[dims]
