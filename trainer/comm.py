@@ -54,6 +54,15 @@ class _Issued:
     nbytes: int
     group: Any
     group_peer: int | None = None
+    peer_bytes: tuple[int, ...] | None = None
+
+
+def _split_bytes(tensor: torch.Tensor, split_sizes: Sequence[int]) -> tuple[int, ...] | None:
+    """Bytes of each destination's rows of an all-to-all's input; None for an even split."""
+    if not split_sizes or tensor.shape[0] == 0:
+        return None
+    row_bytes = _nbytes(tensor) // tensor.shape[0]
+    return tuple(rows * row_bytes for rows in split_sizes)
 
 
 # c10d ops (torch.distributed's eager API, DDP's reducer, FSDP2), by schema position.
@@ -68,7 +77,7 @@ C10D_OPS: dict[str, Callable[[tuple], list[_Issued]]] = {
     "reduce_scatter_": lambda a: [_Issued("reduce_scatter", _nested_nbytes(a[1]), a[2])],
     "reduce_scatter_tensor_coalesced_": lambda a: [_Issued("reduce_scatter", _total_nbytes(a[1]), a[2])],
     "alltoall_": lambda a: [_Issued("all_to_all", _total_nbytes(a[1]), a[2])],
-    "alltoall_base_": lambda a: [_Issued("all_to_all", _nbytes(a[1]), a[2])],
+    "alltoall_base_": lambda a: [_Issued("all_to_all", _nbytes(a[1]), a[2], peer_bytes=_split_bytes(a[1], a[4]))],
     "broadcast_": lambda a: [_Issued("broadcast", _total_nbytes(a[0]), a[1], a[2])],
     "reduce_": lambda a: [_Issued("reduce", _total_nbytes(a[0]), a[1], a[3])],
     "gather_": lambda a: [_Issued("gather", _total_nbytes(a[1]), a[2], a[3])],
@@ -92,7 +101,7 @@ FUNCTIONAL_OPS: dict[str, Callable[[tuple], list[_Issued]]] = {
     "reduce_scatter_tensor": lambda a: [_Issued("reduce_scatter", _nbytes(a[0]), a[3])],
     "reduce_scatter_tensor_out": lambda a: [_Issued("reduce_scatter", _nbytes(a[0]), a[3])],
     "reduce_scatter_tensor_coalesced": lambda a: [_Issued("reduce_scatter", _total_nbytes(a[0]), a[3])],
-    "all_to_all_single": lambda a: [_Issued("all_to_all", _nbytes(a[0]), a[3])],
+    "all_to_all_single": lambda a: [_Issued("all_to_all", _nbytes(a[0]), a[3], peer_bytes=_split_bytes(a[0], a[2]))],
     "broadcast": lambda a: [_Issued("broadcast", _nbytes(a[0]), a[2], a[1])],
     "broadcast_": lambda a: [_Issued("broadcast", _nbytes(a[0]), a[2], a[1])],
     "isend": lambda a: [_Issued("send", _nbytes(a[0]), a[3], a[1])],
@@ -262,7 +271,7 @@ class CollectiveCapture:
         for op in issued:
             group = self._ranks_of(op.group)
             peer = group[op.group_peer] if op.group_peer is not None else None
-            records.append((CommOp(op.op, group, op.nbytes, peer), timing))
+            records.append((CommOp(op.op, group, op.nbytes, peer, op.peer_bytes), timing))
             self.progress.issued(op.op, group, peer, timing)
         with self._lock:
             self._records += records
@@ -375,8 +384,11 @@ class CommRecorder:
         self.window_steps = window_steps
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self._mesh_groups = {dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in KIND_OF_MESH_DIM}
-        self._kinds: dict[tuple[int, ...], str] = {}
+        dims = {dim: mesh.dim_mesh(dim) for dim in KIND_OF_MESH_DIM}
+        self._mesh_groups = {
+            dim: dist.get_process_group_ranks(dim_mesh.get_group()) for dim, dim_mesh in dims.items() if dim_mesh
+        }
+        self._kinds: dict[tuple[str, tuple[int, ...]], str] = {}
         self._capture = CollectiveCapture()
         self._start_window()
 
@@ -398,7 +410,7 @@ class CommRecorder:
         Returns the step's seconds in collectives (issue to completion, summed as the window's time_s)."""
         step_s = 0.0
         for op, timing in self._capture.take():
-            self._row.add(op, self._kind(op.group))
+            self._row.add(op, self._kind(op))
             step_s += timing.duration_s or 0.0
         self._time_s += step_s
         self._steps.append(step)
@@ -422,10 +434,11 @@ class CommRecorder:
         self.telemetry.emit("comm", self._row.payload(first, last, round(self._time_s, 6)), step=last)
         self._start_window()
 
-    def _kind(self, group: tuple[int, ...]) -> str:
-        kind = self._kinds.get(group)
+    def _kind(self, op: CommOp) -> str:
+        key = (op.op, op.group)
+        kind = self._kinds.get(key)
         if kind is None:
-            kind = self._kinds[group] = group_kind(group, self._mesh_groups, self.world_size)
+            kind = self._kinds[key] = group_kind(op.group, self._mesh_groups, self.world_size, op.op)
         return kind
 
 

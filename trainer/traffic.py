@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 # The mesh dims whose groups name a kind of traffic, first match wins where two dims hold the
 # same ranks (tp 2 × dp 1 makes "tp" and the whole world alike). The derived dims count as dp:
-# "dp" is dp_replicate × dp_shard, and "dp_shard_cp" is where FSDP shards when cp > 1.
+# "dp" is dp_replicate × dp_shard, "dp_shard_cp" is where FSDP shards when cp > 1, and
+# "expert_shard" where it shards experts beyond expert parallelism. Expert parallelism's ranks are
+# some of those: its group names an all-to-all first (group_kind), any other collective only where
+# no other dim holds the same ranks.
 KIND_OF_MESH_DIM = {
     "tp": "tp",
     "cp": "cp",
@@ -24,6 +27,8 @@ KIND_OF_MESH_DIM = {
     "dp_replicate": "dp",
     "dp": "dp",
     "dp_shard_cp": "dp",
+    "expert_shard": "dp",
+    "ep": "ep",
 }
 WORLD = "world"
 OTHER = "other"
@@ -52,6 +57,7 @@ class CommOp:
     nbytes is the whole buffer the op works on: the reduced buffer (all_reduce, reduce,
     broadcast), the gathered output (all_gather), the input before scattering (reduce_scatter),
     this rank's input (all_to_all, gather), one rank's chunk (scatter), the tensor (send, recv).
+    peer_bytes, for an all_to_all with uneven splits, is what this rank sends each rank of the group.
     peer is a global rank: send's destination, recv's source, or the root of a rooted collective.
     """
 
@@ -59,6 +65,7 @@ class CommOp:
     group: tuple[int, ...]
     nbytes: int
     peer: int | None = None
+    peer_bytes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -78,6 +85,8 @@ def bytes_sent(op: CommOp, rank: int) -> list[tuple[int, int]]:
             return [(successor, 2 * (size - 1) * op.nbytes // size)]
         case "all_gather" | "reduce_scatter":
             return [(successor, (size - 1) * op.nbytes // size)]
+        case "all_to_all" if op.peer_bytes is not None:
+            return [(peer, nbytes) for peer, nbytes in zip(op.group, op.peer_bytes, strict=True) if peer != rank]
         case "all_to_all":
             return [(peer, op.nbytes // size) for peer in others]
         case "broadcast":
@@ -96,10 +105,15 @@ def bytes_sent(op: CommOp, rank: int) -> list[tuple[int, int]]:
             return []
 
 
-def group_kind(group: Iterable[int], mesh_groups: Mapping[str, Iterable[int]], world_size: int) -> str:
+def group_kind(
+    group: Iterable[int], mesh_groups: Mapping[str, Iterable[int]], world_size: int, op: str | None = None
+) -> str:
     """The kind of traffic a group carries: the kind of the first mesh dim (in KIND_OF_MESH_DIM
-    order) whose group holds the same ranks, else "world" for all ranks, else "other"."""
+    order) whose group holds the same ranks, else "world" for all ranks, else "other". An all-to-all
+    on the expert-parallel group is expert traffic whatever other dim holds its ranks too."""
     ranks = frozenset(group)
+    if op == "all_to_all" and "ep" in mesh_groups and frozenset(mesh_groups["ep"]) == ranks:
+        return "ep"
     for dim, kind in KIND_OF_MESH_DIM.items():
         if dim in mesh_groups and frozenset(mesh_groups[dim]) == ranks:
             return kind

@@ -55,3 +55,40 @@ def test_without_a_cluster_ranks_fill_nodes_of_the_default_size_and_bytes_do_not
     rows = predicted_rows(config)  # 128 ranks: more than one node may hold
     assert len(rows) == 128
     assert rows == predicted_rows(config, ClusterSpec(nodes=16, gpus_per_node=8))
+
+
+# Expert parallelism's all-to-alls: a mixture of experts on dp_shard 4 with ep 2, so the ep pairs are not the FSDP
+# group, and FSDP shards each rank's experts over the other pair. What crosses in the all-to-alls depends on where
+# the router sends tokens; the balance loss keeps it near the planner's even split.
+EXPERT_RUN = {
+    **HYBRID_RUN,
+    "model": {**HYBRID_RUN["model"], "experts": 4, "top_k": 2, "moe": {"balance_loss": 0.05}},
+    "parallel": {"dp_shard": 4, "ep": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def measured_expert_traffic(tmp_path_factory):
+    run = run_trainer(tmp_path_factory.mktemp("experts"), EXPERT_RUN)
+    assert run.returncode == 0, run.output[-4000:]
+    rows = [event["payload"] for _, event in run.events("comm") if event["payload"]["window"][0] > 1]
+    matrix = traffic_matrix(rows).by_kind
+    return {kind: [[nbytes / (STEPS - 1) for nbytes in row] for row in matrix[kind]] for kind in ("ep", "dp")}
+
+
+@pytest.mark.parametrize(
+    ("kind", "pairs"),
+    [
+        ("ep", {(0, 1), (1, 0), (2, 3), (3, 2)}),
+        # FSDP's ring over all four ranks for the rest of the model, and over 0, 2 and 1, 3 for the experts.
+        ("dp", {(0, 1), (1, 2), (2, 3), (3, 0), (0, 2), (2, 0), (1, 3), (3, 1)}),
+    ],
+)
+def test_an_expert_parallel_runs_traffic_is_what_the_planner_predicts(kind, pairs, measured_expert_traffic):
+    measured = measured_expert_traffic[kind]
+    predicted = predicted_matrix(parse_config(EXPERT_RUN)).by_kind[kind]
+    talking = {(i, j) for i, row in enumerate(measured) for j, value in enumerate(row) if value}
+    assert talking == pairs
+    for source, destination in talking:
+        nbytes = measured[source][destination]
+        assert abs(predicted[source][destination] - nbytes) <= 0.1 * nbytes, (source, destination, nbytes)

@@ -44,6 +44,8 @@ from .torchrun import ROOT, run_trainer
         (CommOp("all_gather", (0, 1, 2, 3), 1000), [(2, 750)]),
         (CommOp("reduce_scatter", (0, 1, 2, 3), 1000), [(2, 750)]),
         (CommOp("all_to_all", (0, 1, 2, 3), 1000), [(0, 250), (2, 250), (3, 250)]),
+        # Expert parallelism's dispatch: as many rows to each rank as it holds experts for.
+        (CommOp("all_to_all", (0, 1, 2, 3), 1000, peer_bytes=(100, 500, 0, 400)), [(0, 100), (2, 0), (3, 400)]),
         (CommOp("broadcast", (0, 1, 2, 3), 1000, peer=0), [(2, 1000)]),
         (CommOp("broadcast", (0, 1, 2, 3), 1000, peer=2), []),
         (CommOp("reduce", (0, 1, 2, 3), 1000, peer=3), [(2, 1000)]),
@@ -101,6 +103,13 @@ MESH_GROUPS_OF_RANK_5 = {
 )
 def test_a_group_is_named_by_the_mesh_dim_holding_its_ranks(group, kind):
     assert group_kind(group, MESH_GROUPS_OF_RANK_5, world_size=8) == kind
+
+
+def test_an_all_to_all_on_the_expert_parallel_group_is_expert_traffic_where_dp_holds_the_same_ranks():
+    mesh_groups = {**MESH_GROUPS_OF_RANK_5, "ep": [5, 7]}
+    assert group_kind((5, 7), mesh_groups, world_size=8, op="all_to_all") == "ep"
+    assert group_kind((5, 7), mesh_groups, world_size=8, op="reduce_scatter") == "dp"
+    assert group_kind((5, 7), {"ep": [5, 7]}, world_size=8, op="all_gather") == "ep"
 
 
 def test_where_dims_coincide_tp_wins_and_the_world_comes_last():
@@ -224,7 +233,7 @@ def floats(count: int) -> torch.Tensor:
         (
             "functional all_to_all",
             lambda: funcol.all_to_all_single(floats(4), None, None, dist.group.WORLD).wait(),
-            CommOp("all_to_all", (0,), 16),
+            CommOp("all_to_all", (0,), 16, peer_bytes=(16,)),
         ),
         (
             "functional broadcast",

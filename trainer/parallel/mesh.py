@@ -9,6 +9,7 @@ from trainer.config import ParallelConfig
 # Outermost first: tp ranks are neighbours (same node, fastest links), then cp, dp_shard,
 # dp_replicate, and pipeline stages are furthest apart.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIMS = ("expert_replicate", "expert_shard", "ep")
 
 
 class ParallelMesh:
@@ -40,11 +41,17 @@ class ParallelMesh:
             self.experts = data_ranks._unflatten(
                 0,
                 (parallel.dp_replicate, parallel.sharding_ranks // parallel.ep, parallel.ep),
-                ("expert_replicate", "expert_shard", "ep"),
+                EXPERT_DIMS,
             )
 
     def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         return self.mesh[dims]
+
+    def dim_mesh(self, dim: str) -> DeviceMesh | None:
+        """The 1-D mesh of a dim, derived ones included, or of the experts mesh (None without expert parallelism)."""
+        if dim in EXPERT_DIMS:
+            return self.experts[dim] if self.experts is not None else None
+        return self.mesh[dim]
 
     def rank_in(self, dim: str) -> int:
         return self.mesh[dim].get_local_rank()

@@ -59,6 +59,9 @@ def groups(layout: Layout) -> dict[str, Group]:
         "dp": Group("dp", parallel.data_parallel, strides["dp_shard"]),
         "pp": Group("pp", degrees["pp"], strides["pp"]),
         "ep": Group("ep", parallel.ep, strides["cp"]),
+        # The ranks that hold the same experts beyond expert parallelism: every ep-th of dp_shard × cp (none where
+        # ep also spans replicas, which the planner prices and the trainer does not run).
+        "expert_shard": Group("dp", max(1, parallel.sharding_ranks // parallel.ep), strides["cp"] * parallel.ep),
     }
 
 
@@ -130,9 +133,11 @@ def step_traffic(
     rank_layers: int,
     holds_embedding: bool,
     holds_output: bool,
+    expert_elements: int = 0,
 ) -> list[Traffic]:
     """Every kind of traffic one rank takes part in during a step. state_elements counts the
-    parameters the rank holds before sharding (after tp, pp, ep); rank_layers its blocks."""
+    parameters the rank holds before sharding (after tp, pp, ep), expert_elements those of them that are
+    experts split by expert parallelism; rank_layers its blocks."""
     parallel, model = layout.parallel, layout.model
     gpn = cluster.gpus_per_node
     group = groups(layout)
@@ -207,7 +212,7 @@ def step_traffic(
     if model.experts > 1 and parallel.ep > 1:
         tokens = layout.local_seq * layout.micro_seqs * model.dim * e * model.top_k
         add("ep", "all_to_all", "ep", tokens, m * rank_layers * (4 + 2 * repeats), "dispatch and combine, both ways")
-    traffic += data_parallel_traffic(layout, group, gpn, state_elements, c)
+    traffic += data_parallel_traffic(layout, group, gpn, state_elements, c, expert_elements)
     if parallel.pp > 1:
         split = parallel.tp if parallel.sequence_parallel and parallel.tp > 1 else 1
         message = sbh / split
@@ -224,7 +229,12 @@ def time_traffic(traffic: list[Traffic], cluster: ClusterSpec) -> None:
         )
 
 
-def data_parallel_traffic(layout: Layout, group: dict[str, Group], gpn: int, elements: int, c: int) -> list[Traffic]:
+def data_parallel_traffic(
+    layout: Layout, group: dict[str, Group], gpn: int, elements: int, c: int, expert_elements: int = 0
+) -> list[Traffic]:
+    """The data-parallel collectives of `elements` parameters, of which `expert_elements` are experts split by
+    expert parallelism: those are sharded over the ranks that hold the same experts (expert_shard), the rest
+    over dp_shard × cp."""
     parallel, m = layout.parallel, layout.microbatches
     zero, passes = parallel.zero, layout.accumulation_steps
     # Said of what runs once per step when the step accumulates: its reduction waits for the last pass.
@@ -233,6 +243,8 @@ def data_parallel_traffic(layout: Layout, group: dict[str, Group], gpn: int, ele
 
     def add(op: str, dim: str, buffer: float, calls: float, note: str, every_pass: bool = False) -> None:
         members = group[dim]
+        if members.size < 2 or buffer <= 0:
+            return
         spread, times = (passes, calls * passes) if every_pass else (1, calls)
         crosses = members.crosses_nodes(gpn)
         traffic.append(Traffic("dp", op, dim, members.size, buffer, times, crosses, spread, note=note))
@@ -243,22 +255,27 @@ def data_parallel_traffic(layout: Layout, group: dict[str, Group], gpn: int, ele
             how = "DDP" if parallel.data_parallel_path == "ddp" else "HSDP of whole replicas"
             add("all_reduce", "dp", 4 * elements, 1, f"{how}: fp32 gradients{once}")
         return traffic
+    shards = [("dp_shard", elements - expert_elements, ""), ("expert_shard", expert_elements, " of the experts")]
     if zero == 3:
         # Resharding after forward gathers again for every microbatch's forward and once for backward.
         gathers = m + 1 if parallel.reshard_after_forward else 1
         before = "before forward" + (" and backward" if gathers > 1 else "")
         every = " in every pass" if passes > 1 else ""
-        add("all_gather", "dp_shard", c * elements, gathers, f"FSDP: parameters {before}{every}", every_pass=True)
-        add("reduce_scatter", "dp_shard", 4 * elements, 1, f"FSDP: fp32 gradients{once}")
+        for dim, count, whose in shards:
+            note = f"FSDP: parameters{whose} {before}{every}"
+            add("all_gather", dim, c * count, gathers, note, every_pass=True)
+            add("reduce_scatter", dim, 4 * count, 1, f"FSDP: fp32 gradients{whose}{once}")
         grad_bytes = 4
     else:
         # ZeRO-2 holds only its shard of the gradients, so each pass's go to their owners; ZeRO-1 sums whole ones.
-        reduce_note = f"ZeRO-{zero}: gradients to their optimizer shard" + (" in every pass" if zero == 2 else once)
-        add("reduce_scatter", "dp_shard", c * elements, 1, reduce_note, every_pass=zero == 2)
-        add("all_gather", "dp_shard", c * elements, 1, f"ZeRO-{zero}: updated parameters")
+        every = " in every pass" if zero == 2 else once
+        for dim, count, whose in shards:
+            reduce_note = f"ZeRO-{zero}: gradients{whose} to their optimizer shard{every}"
+            add("reduce_scatter", dim, c * count, 1, reduce_note, every_pass=zero == 2)
+            add("all_gather", dim, c * count, 1, f"ZeRO-{zero}: updated parameters{whose}")
         grad_bytes = c
     if group["dp_replicate"].size > 1:
-        shard_bytes = grad_bytes * elements / group["dp_shard"].size
+        shard_bytes = sum(grad_bytes * count / group[dim].size for dim, count, _ in shards)
         add("all_reduce", "dp_replicate", shard_bytes, 1, f"HSDP: each shard's gradients across replicas{once}")
     return traffic
 

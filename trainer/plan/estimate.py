@@ -17,6 +17,7 @@ from trainer.plan.hardware import ClusterSpec, parse_cluster
 from trainer.plan.layout import Attention, Layout, Runtime
 from trainer.plan.memory import (
     RankMemory,
+    expert_elements,
     layout_outside_allocator_terms,
     memory_per_rank,
     rank_state_elements,
@@ -276,7 +277,15 @@ def rank_time_from(
 ) -> RankTime:
     """A pipeline rank's traffic and what of it compute hides, from what the rank holds (`unsharded`:
     its parameters before ZeRO/FSDP sharding) and computes."""
-    traffic = step_traffic(layout, cluster, unsharded, held.layers, held.holds_embedding, held.holds_output)
+    traffic = step_traffic(
+        layout,
+        cluster,
+        unsharded,
+        held.layers,
+        held.holds_embedding,
+        held.holds_output,
+        expert_elements(layout, held.tensors),
+    )
     weight_gradients_s = layout.accumulation_steps * layout.microbatches * compute.weight_gradient_s
     expose(traffic, compute.forward_s, compute.backward_s, held.layers, layout.parallel.pp, weight_gradients_s)
     return RankTime(pp_rank, compute, traffic, layout.accumulation_steps)

@@ -117,6 +117,14 @@ def state_elements(layout: Layout, tensors: list[ParameterTensor], shard_index: 
     return StateElements(sharded_from(3), gradients, sharded_from(1), sum(tensor.copies for tensor in tensors), whole)
 
 
+def expert_elements(layout: Layout, tensors: list[ParameterTensor]) -> int:
+    """Of `state_elements(...).unsharded`, the experts' share where expert parallelism splits them (which FSDP
+    then shards over the ranks holding the same experts); 0 without it."""
+    if layout.parallel.ep == 1:
+        return 0
+    return state_elements(layout, [tensor for tensor in tensors if tensor.expert]).unsharded
+
+
 def unsharded_embedding_gradient(layout: Layout, tensors: list[ParameterTensor]) -> int:
     """Elements beyond the shard that a vocab-parallel embedding's gradient takes.
 

@@ -110,6 +110,7 @@ from trainer.plan.memory import (
     FREED_IN_BACKWARD,
     StateElements,
     buffer_terms,
+    expert_elements,
     gradients_held_at_the_peak,
     in_flight_microbatches,
     layer_activation_bytes,
@@ -1034,6 +1035,7 @@ class Pricer:
                 self.cluster.gpus_per_node,
                 self._elements_of(candidate, rank).unsharded,
                 layout.compute_bytes,
+                expert_elements(layout, self._holding(candidate, rank).tensors),
             )
             time_traffic(traffic, self.cluster)
             self._data_parallel_traffic[key] = traffic

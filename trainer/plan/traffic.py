@@ -11,7 +11,7 @@ from trainer.config import ParallelConfig, RunConfig
 from trainer.plan.communication import step_traffic
 from trainer.plan.hardware import ClusterSpec
 from trainer.plan.layout import PLACEMENT, Layout
-from trainer.plan.memory import rank_coordinates, state_elements
+from trainer.plan.memory import expert_elements, rank_coordinates, state_elements
 from trainer.plan.parameters import rank_holding, stages_of_rank
 from trainer.traffic import CommOp, TrafficMatrix, TrafficRow, traffic_matrix
 
@@ -24,7 +24,6 @@ GROUP_DIMS = {
     "dp_replicate": ("dp_replicate",),
     "dp": ("dp_replicate", "dp_shard"),
     "pp": ("pp",),
-    "ep": ("dp_shard", "cp"),
 }
 
 
@@ -42,6 +41,24 @@ def group_members(parallel: ParallelConfig, rank: int, dims: tuple[str, ...]) ->
     ranges = [range(getattr(parallel, dim)) for dim in dims]
     members = [
         global_rank(parallel, where | dict(zip(dims, values, strict=True))) for values in itertools.product(*ranges)
+    ]
+    return tuple(sorted(members))
+
+
+def expert_group_members(parallel: ParallelConfig, rank: int, dim: str) -> tuple[int, ...]:
+    """The trainer's experts mesh cuts dp_shard × cp (cp innermost) into runs of ep ranks: "ep" is the run
+    holding this rank (one copy of the experts between them), "expert_shard" every ep-th rank from this one's
+    place in its run (the ranks holding the same experts)."""
+    where = rank_coordinates(parallel, rank)
+    sharding_index = where["dp_shard"] * parallel.cp + where["cp"]
+    if dim == "ep":
+        first = sharding_index - sharding_index % parallel.ep
+        indices = range(first, first + parallel.ep)
+    else:
+        indices = range(sharding_index % parallel.ep, parallel.sharding_ranks, parallel.ep)
+    members = [
+        global_rank(parallel, where | {"dp_shard": index // parallel.cp, "cp": index % parallel.cp})
+        for index in indices
     ]
     return tuple(sorted(members))
 
@@ -78,7 +95,13 @@ def predicted_rows(config: RunConfig, cluster: ClusterSpec | None = None) -> lis
         held = rank_holding(layout.model, parallel, pp_rank)
         elements = state_elements(layout, held.tensors).unsharded
         by_pp_rank[pp_rank] = step_traffic(
-            layout, cluster, elements, held.layers, held.holds_embedding, held.holds_output
+            layout,
+            cluster,
+            elements,
+            held.layers,
+            held.holds_embedding,
+            held.holds_output,
+            expert_elements(layout, held.tensors),
         )
     rows = []
     for rank in range(world):
@@ -88,7 +111,10 @@ def predicted_rows(config: RunConfig, cluster: ClusterSpec | None = None) -> lis
                 for op in pipeline_sends(layout, rank, item.buffer_bytes):
                     row.add(op, "pp")
                 continue
-            group = group_members(parallel, rank, GROUP_DIMS[item.dim])
+            if item.dim in ("ep", "expert_shard"):
+                group = expert_group_members(parallel, rank, item.dim)
+            else:
+                group = group_members(parallel, rank, GROUP_DIMS[item.dim])
             row.add(CommOp(item.op, group, round(item.buffer_bytes * item.calls)), item.kind)
         rows.append(row.payload(1, 1, 0.0))
     return rows
