@@ -288,6 +288,13 @@ class ComputeConfig(_Section):
             "auto is bf16 on CUDA."
         ),
     )
+    fp8_scaling: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise",
+        description=(
+            "With precision fp8: one scale per tensor (fastest), or one per row (closer to bf16, slower); torchao's "
+            "float8 training recipes."
+        ),
+    )
     recompute: Literal["none", "selective", "full"] = Field(
         "none",
         description="Activation checkpointing: none; selective (attention recomputed); full (whole blocks).",
@@ -719,6 +726,43 @@ class AlertsConfig(_Section):
             "started from: a hair's rise is no trend."
         ),
     )
+    expert_collapse_share: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description=(
+            "Expert collapse: an expert of a mixture-of-experts layer that receives under this fraction of an even "
+            "share of its layer's tokens (the mean load of the layer's experts), expert_collapse_steps steps "
+            "running, has collapsed. 0.01 is under 1 % of what an even split would give it: relative to the even "
+            "share, so that it means the same with 8 experts as with 256 (where 1 % of all tokens is more than any "
+            "expert's even share); 0 = off."
+        ),
+    )
+    expert_collapse_steps: int = Field(
+        20, ge=1, le=1000, description="Consecutive steps an expert must stay under expert_collapse_share."
+    )
+    expert_imbalance_ratio: float = Field(
+        4.0,
+        ge=0,
+        le=1024,
+        description=(
+            "Expert load imbalance: a mixture-of-experts layer whose busiest expert receives over this multiple of "
+            "the layer's mean load, expert_imbalance_steps steps running, is imbalanced (the ratio can reach the "
+            "number of experts: one expert taking every token); 0 = off."
+        ),
+    )
+    expert_imbalance_steps: int = Field(
+        20, ge=1, le=1000, description="Consecutive steps a layer must stay over expert_imbalance_ratio."
+    )
+
+    @field_validator("expert_imbalance_ratio")
+    @classmethod
+    def _imbalance_above_even(cls, ratio: float) -> float:
+        if 0 < ratio <= 1:
+            raise ValueError(
+                "must be above 1 (the busiest expert always receives at least the mean load), or 0 to turn the rule off"
+            )
+        return ratio
 
     @field_validator("min_history")
     @classmethod
@@ -854,7 +898,10 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
             parallel.zero_stage in (1, 2),
             "the trainer shards with FSDP (ZeRO-3) or not at all; use 3, 0 or null",
         ),
-        "compute.precision": (config.compute.precision == "fp8", "the trainer runs fp32 or bf16; use bf16"),
+        "compute.precision": (
+            config.compute.precision == "fp8" and (parallel.tp > 1 or model.experts > 1),
+            "the trainer runs fp8 matmuls in dense models without tensor parallelism so far; use bf16",
+        ),
         "optimizer.offload": (config.optimizer.offload, "the trainer keeps optimizer states on the device"),
     }
     return {field: message for field, (unrunnable, message) in reasons.items() if unrunnable}

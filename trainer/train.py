@@ -37,6 +37,7 @@ from trainer.metrics import memory, mfu, model_flops_per_token, own_work, peak_f
 from trainer.model import Transformer
 from trainer.parallel.apply import ParallelModel, parallelize
 from trainer.parallel.expert import routing_step
+from trainer.parallel.float8 import fp8_refusal
 from trainer.parallel.grads import clip_gradients
 from trainer.parallel.mesh import MESH_DIMS, ParallelMesh
 from trainer.parallel.state import dump_full_parameters
@@ -375,6 +376,8 @@ def run(config: RunConfig, launch: Launch, telemetry: TelemetryClient, stop: Sto
     device = torch.device("cuda", launch.local_rank) if cuda_available else torch.device("cpu")
     if cuda_available:
         torch.cuda.set_device(device)
+    if config.compute.precision == "fp8" and (refusal := fp8_refusal(device)):
+        raise LaunchError(refusal)
     dist.init_process_group(backend)
     try:
         outcome = train(config, launch, device, telemetry, stop)

@@ -83,10 +83,13 @@
   }
 
   const charts = window.loomRunCharts(page, run, requestFrame);
+  // The Experts panel, on the page of a mixture-of-experts run only.
+  const experts = page.experts > 1 ? window.loomRunExperts(page, run, requestFrame) : null;
 
   function drawFrame() {
     frameRequested = false;
     charts.draw();
+    experts?.draw();
     if (measuredDirty) drawMeasured();
     if (logDirty) {
       logDirty = false;
@@ -110,6 +113,7 @@
 
   function addMetric(event) {
     charts.applyMetric(event);
+    experts?.applyMetric(event);
     if (prediction) {
       measure(event.rank, event.payload);
       requestFrame();
@@ -892,7 +896,9 @@
     let after = 0;
     for (;;) {
       try {
-        const snapshotSeq = await charts.loadSnapshot();
+        const snapshotSeq = Math.min(
+          ...(await Promise.all([charts.loadSnapshot(), ...(experts ? [experts.loadSnapshot()] : [])])),
+        );
         if (prediction) measureSnapshot();
         let history;
         do {
@@ -913,7 +919,9 @@
   }
 
   async function start() {
-    charts.setUp((error) => showNotice(`Could not load a chart (${error.message}).`));
+    const showChartError = (error) => showNotice(`Could not load a chart (${error.message}).`);
+    charts.setUp(showChartError);
+    experts?.setUp(showChartError);
     if (prediction) showPrediction();
     cancelButton.addEventListener("click", cancelRun);
     loadCapturedButton.addEventListener("click", loadCapturedLogs);

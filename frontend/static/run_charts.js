@@ -33,7 +33,7 @@ window.loomRunCharts = (page, run, requestFrame) => {
   const HEATMAP_REFRESHED_COLUMNS = 4;
   const HEATMAP_HEIGHT_MIN = 420;
   const HEATMAP_HEIGHT_MAX = 1100;
-  const KINDS = ["tp", "cp", "dp", "pp"];
+  const KINDS = ["tp", "cp", "ep", "dp", "pp"];
   const BAND_FILL = "rgba(48, 86, 211, 0.15)";
   const ACCENT = "#3056d3";
 

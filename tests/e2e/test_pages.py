@@ -225,6 +225,13 @@ def test_valid_form_creates_the_run_and_opens_its_page(logged_in, ada):
         "tie_embeddings": False,
         "experts": 1,
         "top_k": 1,
+        "moe": {
+            "gate": "softmax",
+            "renormalize": True,
+            "balance_loss": 0.01,
+            "bias_update_rate": 0.0,
+            "capacity_factor": None,
+        },
         "rope_theta": 10000.0,
         "norm_eps": 1e-5,
         "rope_scaling": None,

@@ -230,6 +230,15 @@ def test_a_runnable_only_search_keeps_tied_embeddings_on_one_pipeline_stage():
     assert runnable.results and all(found.config.parallel.pp == 1 for found in runnable.results + runnable.pareto)
 
 
+def test_a_runnable_only_fp8_search_keeps_to_layouts_without_tensor_parallelism():
+    model = {"preset": "llama3-8b", "layers": 4}
+    cluster = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 4}
+    every = search(model, cluster, 8, precision="fp8", limit=1000)
+    assert any(found.config.parallel.tp > 1 for found in every.results)
+    runnable = search(model, cluster, 8, precision="fp8", runnable_only=True)
+    assert runnable.results and all(found.config.parallel.tp == 1 for found in runnable.results + runnable.pareto)
+
+
 def test_a_runnable_only_search_of_a_mixture_of_experts_keeps_to_what_the_trainer_runs_of_it():
     model = {"preset": "mixtral-8x7b", "layers": 2}
     cluster = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 4}
@@ -244,7 +253,7 @@ def test_a_runnable_only_search_of_a_mixture_of_experts_keeps_to_what_the_traine
 @pytest.mark.parametrize(
     ("model", "options", "field"),
     [
-        ({"preset": "llama3-8b", "layers": 4}, {"precision": "fp8"}, "compute.precision"),
+        ({"preset": "mixtral-8x7b", "layers": 2}, {"precision": "fp8"}, "compute.precision"),
     ],
 )
 def test_a_model_or_precision_the_trainer_does_not_run_ends_a_runnable_only_search(model, options, field):

@@ -315,3 +315,182 @@ def test_overfit_settings_are_validated_by_field():
         parse_config({"alerts": {"overfit_evaluations": 0, "overfit_rise": -0.1}})
     assert set(refused.value.errors) == {"alerts.overfit_evaluations", "alerts.overfit_rise"}
     assert "greater than or equal to 1" in refused.value.errors["alerts.overfit_evaluations"]
+
+
+EXPERTS = 8
+# Routed token copies a layer takes a step: an even share is 512 an expert.
+ROUTED = EXPERTS * 512
+LAYERS = (0, 1)
+
+
+def routed_rows(last_step: int, change=lambda step, layer, load: load, seed: int = 0) -> list[StepRow]:
+    """Steps of a two-layer, eight-expert model, each expert's load within 10 % of an even share; `change`
+    may rewrite a layer's load at a step."""
+    rng = random.Random(seed)
+    rows = []
+    for step in range(1, last_step + 1):
+        loads = {}
+        for layer in LAYERS:
+            weights = [1 + rng.uniform(-0.1, 0.1) for _ in range(EXPERTS)]
+            load = [round(ROUTED * weight / sum(weights)) for weight in weights]
+            loads[layer] = tuple(change(step, layer, load))
+        rows.append(StepRow(step, expert_loads=loads))
+    return rows
+
+
+def starving(layer: int, expert: int, steps, tokens: int = 3):
+    """`expert` of `layer` receives `tokens` in `steps` (3 of an even 512: 0.6 %)."""
+
+    def change(step, at_layer, load):
+        if at_layer == layer and step in steps:
+            load[expert] = tokens
+        return load
+
+    return change
+
+
+def hogging(layer: int, expert: int, ratio: float, steps):
+    """`expert` of `layer` takes `ratio` × the mean load in `steps`, the other experts the rest evenly."""
+
+    def change(step, at_layer, load):
+        if at_layer != layer or step not in steps:
+            return load
+        busiest = round(ratio * ROUTED / EXPERTS)
+        rest = round((ROUTED - busiest) / (EXPERTS - 1))
+        return [busiest if index == expert else rest for index in range(EXPERTS)]
+
+    return change
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_evenly_routed_experts_raise_nothing(seed):
+    rows = routed_rows(100, seed=seed)
+    assert detectors.expert_collapse(rows, CONFIG) == [] and detectors.expert_imbalance(rows, CONFIG) == []
+
+
+def test_an_expert_collapses_after_expert_collapse_steps_starved_steps_and_not_one_sooner():
+    starved_from = 31
+    nineteen = routed_rows(49, starving(1, 5, range(starved_from, 1000)))
+    assert detectors.expert_collapse(nineteen, CONFIG) == []
+    (finding,) = detectors.expert_collapse(routed_rows(50, starving(1, 5, range(starved_from, 1000))), CONFIG)
+    assert (finding.rule, finding.step, finding.severity, finding.rank) == (
+        detectors.EXPERT_COLLAPSE,
+        50,
+        "warning",
+        None,
+    )
+    (entry,) = finding.details["experts"]
+    assert (entry["layer"], entry["expert"], entry["tokens"], entry["steps"]) == (1, 5, 3, [starved_from, 50])
+    # Starved, it pulls its layer's mean below 512: 3 of ~448.
+    assert entry["of_even_share"] == pytest.approx(3 / entry["even_share"], abs=1e-4) and entry["of_even_share"] < 0.01
+    assert finding.message.startswith("expert 5 of layer 1 collapsed: 3 tokens at step 50")
+    assert "under 1% of one in each of steps 31–50" in finding.message
+    # Starved for longer, it is judged on all of it.
+    (longer,) = detectors.expert_collapse(routed_rows(70, starving(1, 5, range(starved_from, 1000))), CONFIG)
+    assert longer.details["experts"][0]["steps"] == [starved_from, 70]
+    # Half its share (1 % of all tokens routed, far from nothing) is no collapse.
+    assert detectors.expert_collapse(routed_rows(70, starving(1, 5, range(1, 1000), tokens=256)), CONFIG) == []
+
+
+def test_a_collapsed_expert_that_gets_tokens_again_recovers_and_a_new_spell_counts_from_its_start():
+    starved = [*range(11, 41), *range(42, 1000)]
+    assert detectors.expert_collapse(routed_rows(40, starving(0, 2, starved)), CONFIG)
+    # At step 41 it gets its share again: recovered, whatever came before.
+    assert detectors.expert_collapse(routed_rows(41, starving(0, 2, starved)), CONFIG) == []
+    # Starved again from step 42: collapsed once more only after another twenty steps.
+    assert detectors.expert_collapse(routed_rows(60, starving(0, 2, starved)), CONFIG) == []
+    (finding,) = detectors.expert_collapse(routed_rows(61, starving(0, 2, starved)), CONFIG)
+    assert finding.details["experts"][0]["steps"] == [42, 61]
+
+
+def test_a_step_a_layer_did_not_report_breaks_its_spell():
+    rows = routed_rows(60, starving(1, 5, range(11, 1000)))
+    # Layer 1's stage never reported step 45: steps 46-60 are fifteen steps running, not fifty.
+    gap = [StepRow(row.step, expert_loads={0: row.expert_loads[0]}) if row.step == 45 else row for row in rows]
+    assert detectors.expert_collapse(gap, CONFIG) == []
+    (finding,) = detectors.expert_collapse(gap, CONFIG.model_copy(update={"expert_collapse_steps": 15}))
+    assert finding.details["experts"][0]["steps"] == [46, 60]
+
+
+def test_collapse_is_judged_against_an_even_share_not_all_tokens():
+    # 256 experts: an even share is 0.39 % of the tokens. An expert at a third of it (0.13 % of all tokens) is
+    # starved but not collapsed; one at 0.5 % of an even share is.
+    even = 100
+    load = [even] * 256
+    load[7], load[200] = even // 3, 0
+    rows = [StepRow(step, expert_loads={3: tuple(load)}) for step in range(1, 21)]
+    (finding,) = detectors.expert_collapse(rows, CONFIG)
+    assert [(entry["layer"], entry["expert"]) for entry in finding.details["experts"]] == [(3, 200)]
+
+
+def test_several_collapsed_experts_make_one_finding_naming_each_with_its_layer():
+    def both(step, layer, load):
+        return starving(1, 6, range(1, 100))(step, layer, starving(0, 2, range(5, 100))(step, layer, load))
+
+    (finding,) = detectors.expert_collapse(routed_rows(30, both), CONFIG)
+    assert [(entry["layer"], entry["expert"], entry["steps"]) for entry in finding.details["experts"]] == [
+        (0, 2, [5, 30]),
+        (1, 6, [1, 30]),
+    ]
+    assert finding.message.startswith("2 experts collapsed, each under 1% of an even share")
+    assert "expert 2 of layer 0 (0.7%), expert 6 of layer 1 (0.7%)" in finding.message
+
+
+def test_a_layer_whose_busiest_expert_takes_over_the_ratio_for_its_steps_is_imbalanced():
+    hogged = hogging(0, 3, 5.0, range(21, 1000))
+    assert detectors.expert_imbalance(routed_rows(39, hogged), CONFIG) == []
+    (finding,) = detectors.expert_imbalance(routed_rows(40, hogged), CONFIG)
+    assert (finding.rule, finding.step, finding.severity, finding.rank) == (
+        detectors.EXPERT_IMBALANCE,
+        40,
+        "warning",
+        None,
+    )
+    (entry,) = finding.details["layers"]
+    assert (entry["layer"], entry["busiest_expert"], entry["steps"]) == (0, 3, [21, 40])
+    assert entry["ratio"] == pytest.approx(5.0, abs=0.01)
+    assert finding.message == (
+        "layer 0's expert load is imbalanced: expert 3 received 5.00× the layer's mean load at step 40, over 4× in "
+        "each of steps 21–40"
+    )
+    # Just under the ratio is balanced enough; back to an even split, the layer has recovered.
+    assert detectors.expert_imbalance(routed_rows(60, hogging(0, 3, 3.9, range(1, 1000))), CONFIG) == []
+    assert detectors.expert_imbalance(routed_rows(41, hogging(0, 3, 5.0, range(21, 41))), CONFIG) == []
+
+
+def test_dense_runs_and_expert_rules_set_to_zero_raise_nothing():
+    assert detectors.expert_collapse(training_rows(100), CONFIG) == []
+    assert detectors.expert_imbalance(training_rows(100), CONFIG) == []
+    starved = routed_rows(60, starving(1, 5, range(1, 1000)))
+    hogged = routed_rows(60, hogging(0, 3, 6.0, range(1, 1000)))
+    assert detectors.expert_collapse(starved, CONFIG) and detectors.expert_imbalance(hogged, CONFIG)
+    off = AlertsConfig(expert_collapse_share=0, expert_imbalance_ratio=0)
+    assert detectors.expert_collapse(starved, off) == [] and detectors.expert_imbalance(hogged, off) == []
+
+
+def test_expert_settings_are_validated_by_field():
+    with pytest.raises(ConfigError) as refused:
+        parse_config(
+            {
+                "alerts": {
+                    "expert_collapse_share": 1.0,
+                    "expert_collapse_steps": 0,
+                    "expert_imbalance_ratio": 0.8,
+                    "expert_imbalance_steps": 1001,
+                }
+            }
+        )
+    assert set(refused.value.errors) == {
+        "alerts.expert_collapse_share",
+        "alerts.expert_collapse_steps",
+        "alerts.expert_imbalance_ratio",
+        "alerts.expert_imbalance_steps",
+    }
+    assert "above 1" in refused.value.errors["alerts.expert_imbalance_ratio"]
+    assert "or 0 to turn the rule off" in refused.value.errors["alerts.expert_imbalance_ratio"]
+    assert "less than 1" in refused.value.errors["alerts.expert_collapse_share"]
+    defaults = parse_config({}).alerts
+    assert (defaults.expert_collapse_share, defaults.expert_collapse_steps) == (0.01, 20)
+    assert (defaults.expert_imbalance_ratio, defaults.expert_imbalance_steps) == (4.0, 20)
+    off = parse_config({"alerts": {"expert_collapse_share": 0, "expert_imbalance_ratio": 0}}).alerts
+    assert (off.expert_collapse_share, off.expert_imbalance_ratio) == (0, 0)

@@ -10,6 +10,7 @@ from celery.beat import EmbeddedService
 from django.db.models import Max
 
 from loom.alerts import detectors
+from loom.alerts.evaluate import expert_rows
 from loom.alerts.models import Alert
 from loom.alerts.triage import alert_views
 from loom.celery import app as celery_app
@@ -20,7 +21,7 @@ from loom.runs.models import Run
 from loom.runs.services import cancel_run, create_run
 from loom.telemetry.models import RankStep
 from trainer.checkpoint import verify
-from trainer.config import AlertsConfig, ParallelConfig
+from trainer.config import AlertsConfig, ParallelConfig, parse_config
 from trainer.plan.memory import rank_coordinates
 
 from ..conftest import wait_for
@@ -332,3 +333,40 @@ def test_retention_keeps_the_checkpoint_before_a_loss_spike_for_triage_to_restor
     assert not any(f"alert #{straggler.pk} " in why for reasons in pins_of(run).values() for why in reasons)
     reached = run.events.filter(kind="metric", received_at__lte=spike.opened_at).aggregate(step=Max("step"))["step"]
     print(f"\nthe spike alert opened with metrics stored to step {reached}; retention first reached step 10 at 25")
+
+
+# pp 2 over four mixture-of-experts layers: each stage's rank reports its own two layers' expert loads.
+MOE_PIPELINE = {
+    **TINY_CONFIG,
+    "steps": 12,
+    "model": {**TINY_CONFIG["model"], "layers": 4, "experts": 4, "top_k": 2},
+    "parallel": {"pp": 2, "microbatches": 2},
+}
+
+
+def test_a_moe_pipeline_runs_expert_loads_reach_the_expert_rules_from_both_stages(live_platform, platform_user):
+    """What a real mixture-of-experts run reports is what the expert rules judge: every layer's load at every
+    step, merged from the two stages' ranks, summed over the global batch. A clean run opens no alert
+    (live_platform's teardown checks): with top_k 2 of 4 experts no expert can take over 2× the mean load, and
+    twelve steps are fewer than expert_collapse_steps."""
+    run = create_run(platform_user[0], "moe pp2", MOE_PIPELINE)
+    wait_for(
+        lambda: Run.objects.filter(pk=run.pk, state__in=states.TERMINAL).exists(), timeout=300, message="the run to end"
+    )
+    run.refresh_from_db()
+    assert run.state == states.SUCCEEDED, [(a.number, a.state, a.failure_reason) for a in run.attempts.all()]
+    reported = {
+        (event.rank, event.step): sorted(event.payload["experts"])
+        for event in run.events.filter(kind="metric", payload__has_key="experts")
+    }
+    steps = range(1, MOE_PIPELINE["steps"] + 1)
+    assert reported == {(rank, step): layers for rank, layers in ((0, ["0", "1"]), (1, ["2", "3"])) for step in steps}
+
+    config = AlertsConfig()
+    rows = expert_rows(run.attempts.get(), config)
+    parsed = parse_config(MOE_PIPELINE)
+    routed = parsed.global_batch * parsed.model.seq_len * parsed.model.top_k
+    assert [row.step for row in rows] == list(steps)
+    assert all(sorted(row.expert_loads) == [0, 1, 2, 3] for row in rows)
+    assert {sum(load) for row in rows for load in row.expert_loads.values()} == {routed}
+    assert detectors.expert_collapse(rows, config) == [] and detectors.expert_imbalance(rows, config) == []

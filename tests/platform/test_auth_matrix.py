@@ -100,6 +100,7 @@ MATRIX = {
     ("api/runs/<run_id>/metrics/series", "GET"): Ask(),
     ("api/runs/<run_id>/metrics/ranks", "GET"): Ask(),
     ("api/runs/<run_id>/metrics/heatmap", "GET"): Ask(),
+    ("api/runs/<run_id>/metrics/experts", "GET"): Ask(),
     ("api/runs/<run_id>/comm", "GET"): Ask(),
     # Checkpoints.
     ("api/runs/<run_id>/checkpoints", "GET"): Ask(),

@@ -91,7 +91,8 @@ def assert_trains_like(run: FinishedRun, reference: FinishedRun) -> None:
     zero that noise becomes an update of ~1e-5, and on the rare entry whose gradient is all noise (a GELU unit that
     hardly fires) of ~1e-4. A layout bug (a missing reduction, a wrong shard) moves the parameters it touches by
     the learning rate, 3e-3: every entry must be within a third of that, all but 0.1 % of them within 1e-4, and
-    those together within 1e-4 of the tensor's norm."""
+    those together within 2e-4 of the tensor's norm (the interpreted Triton kernels on tensor-parallel shards come
+    to 1.01e-4 on some CPUs; a layout bug to several percent)."""
     expected, actual = reference.loss_means(), run.loss_means()
     assert len(actual) == len(expected)
     for step, (want, got) in enumerate(zip(expected, actual, strict=True), start=1):
@@ -106,7 +107,7 @@ def assert_trains_like(run: FinishedRun, reference: FinishedRun) -> None:
         assert difference.max() <= 1e-3, name
         noise = difference > 1e-4
         assert noise.sum() <= difference.numel() // 1000, name
-        assert difference[~noise].norm() <= 1e-4 * tensor.norm(), name
+        assert difference[~noise].norm() <= 2e-4 * tensor.norm(), name
 
 
 def _last_lines(text: str) -> str:

@@ -24,6 +24,7 @@ from .compiled import recompute_and_compile
 from .context import apply_context_parallel
 from .data import apply_ddp, apply_fsdp, gradient_sync
 from .expert import apply_expert_parallel, moe_blocks
+from .float8 import apply_float8
 from .local_kernels import on_local_shards
 from .loss import tensor_parallel_cross_entropy
 from .mesh import ParallelMesh
@@ -66,8 +67,10 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
     if parallel.tp > 1 and fused_loss:
         kernels = replace(kernels, cross_entropy=tensor_parallel_cross_entropy(logits_steps(chosen)))
     model.use_kernels(kernels)
+    if config.compute.precision == "fp8":
+        apply_float8(model, config.compute.fp8_scaling)
     parts = split_model(model, parallel, mesh.pp_rank) if parallel.pp > 1 else [(0, model)]
-    param_dtype = torch.bfloat16 if precision_of(config, device) == "bf16" else torch.float32
+    param_dtype = torch.bfloat16 if computes_in_bf16(config, device) else torch.float32
     wrapped = []
     positions = None
     for _, part in parts:
@@ -210,8 +213,13 @@ def precision_of(config: RunConfig, device: torch.device) -> str:
     return config.compute.precision
 
 
+def computes_in_bf16(config: RunConfig, device: torch.device) -> bool:
+    """bf16 mixed precision, also under fp8 matmuls (which cast from it)."""
+    return precision_of(config, device) in ("bf16", "fp8")
+
+
 def _autocast(config: RunConfig, device: torch.device):
     """bf16 autocast where FSDP's mixed-precision policy does not already cast parameters."""
-    if precision_of(config, device) == "bf16" and not config.parallel.fully_shards:
+    if computes_in_bf16(config, device) and not config.parallel.fully_shards:
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext

@@ -10,7 +10,7 @@ import functools
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from trainer.config import AlertsConfig, ParallelConfig
@@ -25,6 +25,8 @@ OVERFIT = "overfit"
 STRAGGLER = "straggler"
 RANK_EXIT = "rank_exit"
 HANG = "hang"
+EXPERT_COLLAPSE = "expert_collapse"
+EXPERT_IMBALANCE = "expert_imbalance"
 
 CRITICAL = "critical"
 WARNING = "warning"
@@ -35,6 +37,8 @@ MAD_TO_SIGMA = 1.4826
 # median (or by an absolute hair for a median of zero) to count as a deviation at all.
 RELATIVE_SPREAD_FLOOR = 1e-3
 ABSOLUTE_SPREAD_FLOOR = 1e-12
+# The experts or layers an expert alert's message names; its details hold them all.
+SHOWN_EXPERT_ENTRIES = 8
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class StepRow:
     step_time_s: float | None = None
     # Validation loss, on the steps the run evaluated.
     eval_loss: float | None = None
+    # The tokens each expert of each mixture-of-experts layer received over the global batch, by layer index:
+    # merged from every pipeline stage (each reports its own layers). Empty for a dense model.
+    expert_loads: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,154 @@ def overfit(rows: Sequence[StepRow], config: AlertsConfig) -> list[Finding]:
         "train_loss_after": after,
     }
     return [Finding(OVERFIT, last_step, WARNING, message, details=details)]
+
+
+def expert_collapse(rows: Sequence[StepRow], config: AlertsConfig) -> list[Finding]:
+    """Experts of mixture-of-experts layers that received under expert_collapse_share of an even share of their
+    layer's tokens (its mean load) in each of their layer's latest expert_collapse_steps steps or more: one
+    finding naming each with its layer. A router that sends an expert (almost) nothing has stopped training it:
+    the model holds an expert it no longer uses."""
+    if not config.expert_collapse_share:
+        return []
+    collapsed = []
+    for layer, series in sorted(_layer_series(rows).items()):
+        last_step, load = series[-1]
+        even = sum(load) / len(load)
+        for expert, first_step in sorted(_starved_since(series, config.expert_collapse_share).items()):
+            if last_step - first_step + 1 >= config.expert_collapse_steps:
+                collapsed.append(
+                    {
+                        "layer": layer,
+                        "expert": expert,
+                        "tokens": load[expert],
+                        "even_share": round(even, 1),
+                        "of_even_share": round(load[expert] / even, 4),
+                        "steps": [first_step, last_step],
+                    }
+                )
+    if not collapsed:
+        return []
+    threshold = _percent(config.expert_collapse_share)
+    if len(collapsed) == 1:
+        (entry,) = collapsed
+        first_step, last_step = entry["steps"]
+        message = (
+            f"expert {entry['expert']} of layer {entry['layer']} collapsed: {entry['tokens']:,} tokens at step "
+            f"{last_step} against an even share of {entry['even_share']:,.0f} ({entry['of_even_share']:.1%}), under "
+            f"{threshold} of one in each of steps {first_step}–{last_step}"
+        )
+    else:
+        named = ", ".join(
+            f"expert {entry['expert']} of layer {entry['layer']} ({entry['of_even_share']:.1%})"
+            for entry in collapsed[:SHOWN_EXPERT_ENTRIES]
+        )
+        more = " …" if len(collapsed) > SHOWN_EXPERT_ENTRIES else ""
+        message = (
+            f"{len(collapsed)} experts collapsed, each under {threshold} of an even share of its layer's tokens for "
+            f"{config.expert_collapse_steps} steps or more: {named}{more}"
+        )
+    step = max(entry["steps"][1] for entry in collapsed)
+    details = {"experts": collapsed, "threshold": config.expert_collapse_share}
+    return [Finding(EXPERT_COLLAPSE, step, WARNING, message, details=details)]
+
+
+def expert_imbalance(rows: Sequence[StepRow], config: AlertsConfig) -> list[Finding]:
+    """Mixture-of-experts layers whose busiest expert received over expert_imbalance_ratio × the layer's mean
+    load in each of the layer's latest expert_imbalance_steps steps or more: one finding naming each layer with
+    its ratio. The busiest expert sets the step's pace (its tokens are the most work any expert-parallel rank
+    has) and, with a capacity, the tokens it drops."""
+    if not config.expert_imbalance_ratio:
+        return []
+    imbalanced = []
+    for layer, series in sorted(_layer_series(rows).items()):
+        spell = _latest_spell(series, lambda load: max(load) > config.expert_imbalance_ratio * _mean(load))
+        if len(spell) < config.expert_imbalance_steps:
+            continue
+        ratios = [max(load) / _mean(load) for _, load in spell]
+        last_step, load = spell[-1]
+        imbalanced.append(
+            {
+                "layer": layer,
+                "busiest_expert": load.index(max(load)),
+                "ratio": round(ratios[-1], 3),
+                "highest_ratio": round(max(ratios), 3),
+                "steps": [spell[0][0], last_step],
+            }
+        )
+    if not imbalanced:
+        return []
+    threshold = f"{config.expert_imbalance_ratio:g}×"
+    if len(imbalanced) == 1:
+        (entry,) = imbalanced
+        first_step, last_step = entry["steps"]
+        message = (
+            f"layer {entry['layer']}'s expert load is imbalanced: expert {entry['busiest_expert']} received "
+            f"{entry['ratio']:.2f}× the layer's mean load at step {last_step}, over {threshold} in each of steps "
+            f"{first_step}–{last_step}"
+        )
+    else:
+        named = ", ".join(
+            f"layer {entry['layer']} ({entry['ratio']:.2f}×, expert {entry['busiest_expert']})"
+            for entry in imbalanced[:SHOWN_EXPERT_ENTRIES]
+        )
+        more = " …" if len(imbalanced) > SHOWN_EXPERT_ENTRIES else ""
+        message = (
+            f"{len(imbalanced)} layers' expert loads are imbalanced, the busiest expert of each over {threshold} the "
+            f"layer's mean load for {config.expert_imbalance_steps} steps or more: {named}{more}"
+        )
+    step = max(entry["steps"][1] for entry in imbalanced)
+    details = {"layers": imbalanced, "threshold": config.expert_imbalance_ratio}
+    return [Finding(EXPERT_IMBALANCE, step, WARNING, message, details=details)]
+
+
+def _layer_series(rows: Iterable[StepRow]) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
+    """Each mixture-of-experts layer's (step, tokens per expert), in the rows' step order."""
+    series: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for row in rows:
+        for layer, load in row.expert_loads.items():
+            series.setdefault(layer, []).append((row.step, load))
+    return series
+
+
+def _latest_spell(
+    series: list[tuple[int, tuple[int, ...]]], holds: Callable[[tuple[int, ...]], bool]
+) -> list[tuple[int, tuple[int, ...]]]:
+    """A layer's latest steps, in order, each the step after the one before it, at every one of which `holds`.
+    A step the layer did not report breaks the spell: "consecutive" is never guessed across it."""
+    spell: list[tuple[int, tuple[int, ...]]] = []
+    for step, load in reversed(series):
+        if (spell and step != spell[-1][0] - 1) or not holds(load):
+            break
+        spell.append((step, load))
+    return spell[::-1]
+
+
+def _starved_since(series: list[tuple[int, tuple[int, ...]]], share: float) -> dict[int, int]:
+    """The experts under `share` of an even share of the layer's tokens at its latest step, each with the first
+    step of its unbroken spell of such steps. One walk back over the steps for all the layer's experts, which
+    stops at the first step none of those still starved was."""
+    since: dict[int, int] = {}
+    starved: set[int] | None = None
+    later_step = None
+    for step, load in reversed(series):
+        if later_step is not None and (step != later_step - 1 or len(load) != len(series[-1][1])):
+            break
+        floor = share * _mean(load)
+        below = {expert for expert, tokens in enumerate(load) if tokens < floor}
+        starved = below if starved is None else starved & below
+        if not starved:
+            break
+        since |= dict.fromkeys(starved, step)
+        later_step = step
+    return since
+
+
+def _mean(load: tuple[int, ...]) -> float:
+    return sum(load) / len(load)
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:g}%"
 
 
 def stragglers(

@@ -1,14 +1,16 @@
 """One pass of the detectors over an attempt: read its recent steps from the tables ingest fills, ask each
 detector, and record what they found (services.py).
 
-The steps are read from RankStep, so any web process can judge any attempt and a restarted one picks up
-where the last left off; only `judged_through` (the last step the spike detectors have seen) is the
-caller's to keep, and losing it means judging a window again, which opens nothing twice.
+The steps are read from RankStep (the experts' loads from the metric events), so any web process can judge
+any attempt and a restarted one picks up where the last left off; only `judged_through` (the last step the
+spike detectors have seen) is the caller's to keep, and losing it means judging a window again, which opens
+nothing twice.
 """
 
 import dataclasses
 import math
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from django.db import transaction
@@ -16,7 +18,7 @@ from django.db.models import Avg, Count, Max, Min
 from django.db.models.functions import Coalesce
 
 from loom.runs.models import Attempt
-from loom.telemetry.models import RankStep
+from loom.telemetry.models import Event, RankStep
 from trainer.config import AlertsConfig, ParallelConfig
 
 from . import detectors
@@ -52,6 +54,9 @@ def evaluate(attempt: Attempt, non_finite_reports: list[tuple[int, int, str, obj
         findings += detectors.memory_creep(_with_memory_rank(attempt, rows), config)
         findings += _stragglers(attempt, config, host)
         findings += detectors.overfit(_evaluation_rows(attempt, config, judged_through), config)
+        routed = expert_rows(attempt, config)
+        findings += detectors.expert_collapse(routed, config)
+        findings += detectors.expert_imbalance(routed, config)
     latest = max((row.step for row in rows), default=judged_through)
     with transaction.atomic():
         changes = record(attempt, findings, host)
@@ -123,6 +128,45 @@ def _evaluation_rows(attempt: Attempt, config: AlertsConfig, judged_through: int
         .order_by("step")
     )
     return [StepRow(step, loss, eval_loss=eval_loss.get(step)) for step, loss in training]
+
+
+def expert_rows(attempt: Attempt, config: AlertsConfig) -> list[StepRow]:
+    """The latest steps' expert loads, each step's merged from the ranks that reported them (one per pipeline
+    stage, each with its own layers), from the metric events themselves (no table projects them); none for a
+    dense model or with both expert rules off. Twice the steps the rules need are read, so that a stage whose
+    metrics arrive a few steps behind another's still has its spell in range."""
+    steps = max(
+        config.expert_collapse_steps if config.expert_collapse_share else 0,
+        config.expert_imbalance_steps if config.expert_imbalance_ratio else 0,
+    )
+    # A dense model reports no loads: its metrics are not searched for them on every pass.
+    if not steps or attempt.config.get("model", {}).get("experts", 1) == 1:
+        return []
+    reports = Event.objects.filter(attempt=attempt, kind="metric", step__isnull=False, payload__has_key="experts")
+    latest = reports.order_by("-step").values_list("step", flat=True).first()
+    if latest is None:
+        return []
+    merged: dict[int, dict[int, tuple[int, ...]]] = {}
+    recent = reports.filter(step__gt=latest - 2 * steps).order_by("step", "rank")
+    for step, experts in recent.values_list("step", "payload__experts"):
+        layers = merged.setdefault(step, {})
+        for layer, load in _layer_loads(experts):
+            layers.setdefault(layer, load)
+    return [StepRow(step, expert_loads=layers) for step, layers in merged.items() if layers]
+
+
+def _layer_loads(experts: object) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """(layer, tokens per expert) of a metric's `experts`, leaving out whatever is not one: ingest stores any
+    JSON a rank sends, and one malformed report must not stop the attempt's every rule from being judged."""
+    if not isinstance(experts, dict):
+        return
+    for layer, routing in experts.items():
+        load = routing.get("load") if isinstance(routing, dict) else None
+        if not (layer.isdecimal() and isinstance(load, list) and len(load) >= 2):
+            continue
+        # Counts only: a bool is an int to Python, and a float or a string no count of tokens.
+        if set(map(type, load)) == {int} and min(load) >= 0:
+            yield int(layer), tuple(load)
 
 
 def _with_memory_rank(attempt: Attempt, rows: list[StepRow]) -> list[StepRow]:

@@ -1,6 +1,7 @@
 """An alert's life: opened by a finding, updated while its condition is seen again, acknowledged or
 resolved by a user; a live condition (LIVE_CONDITIONS) also resolves by itself once it has not been seen for
-clear_after_steps steps, or once the attempt it was seen in ends."""
+clear_after_steps steps, or once the attempt it was seen in ends, and a routing condition (ROUTING_CONDITIONS)
+once it has not been seen for clear_after_steps steps."""
 
 import functools
 from collections.abc import Callable
@@ -14,7 +15,17 @@ from loom.runs import states
 from loom.runs.models import Attempt
 from loom.telemetry.models import RankStatus, RankStep
 
-from .detectors import CRITICAL, HANG, MEMORY_CREEP, RANK_EXIT, STRAGGLER, THROUGHPUT_DROP, Finding
+from .detectors import (
+    CRITICAL,
+    EXPERT_COLLAPSE,
+    EXPERT_IMBALANCE,
+    HANG,
+    MEMORY_CREEP,
+    RANK_EXIT,
+    STRAGGLER,
+    THROUGHPUT_DROP,
+    Finding,
+)
 from .models import Alert
 
 # What is wrong only while ranks run: a slow or silent rank, falling throughput, growing memory. Once the
@@ -22,6 +33,10 @@ from .models import Alert
 # that exited, a non-finite loss, a loss or gradient-norm spike) are about what the run did to its model: a
 # person must decide whether to restore past them, so they stay open after the attempt ends.
 LIVE_CONDITIONS = frozenset({STRAGGLER, THROUGHPUT_DROP, MEMORY_CREEP, HANG})
+# A collapsed expert or an imbalanced layer is in the router's weights, not in the running ranks: the checkpoint
+# keeps it and a restart resumes it, so it stays live when its attempt ends. But training can heal it (the
+# balance loss, the routing bias), so once it has not been seen for clear_after_steps steps it is over.
+ROUTING_CONDITIONS = frozenset({EXPERT_COLLAPSE, EXPERT_IMBALANCE})
 
 
 class AlertStateError(ValueError):
@@ -160,13 +175,14 @@ def host_lookup(attempt: Attempt) -> Callable[[int], str]:
 
 
 def clear_stale(attempt: Attempt, latest_step: int, clear_after_steps: int) -> list[Alert]:
-    """Resolve the run's live alerts of LIVE_CONDITIONS whose condition was last seen clear_after_steps or more
-    steps before the attempt's latest step. A spike, a non-finite loss or an exit is never seen again by
-    nature, and is no less for it: those wait for a person (and keep their checkpoint pinned meanwhile)."""
+    """Resolve the run's live alerts of LIVE_CONDITIONS and ROUTING_CONDITIONS whose condition was last seen
+    clear_after_steps or more steps before the attempt's latest step. A spike, a non-finite loss or an exit is
+    never seen again by nature, and is no less for it: those wait for a person (and keep their checkpoint pinned
+    meanwhile)."""
     stale = list(
         Alert.objects.filter(
             run_id=attempt.run_id,
-            rule__in=LIVE_CONDITIONS,
+            rule__in=LIVE_CONDITIONS | ROUTING_CONDITIONS,
             state__in=Alert.LIVE,
             last_step__lte=latest_step - clear_after_steps,
         ).select_for_update()

@@ -10,7 +10,7 @@ from django.urls import reverse
 from loom.alerts.detectors import CRITICAL
 from loom.alerts.models import Alert
 from loom.datasets.services import designer_sources
-from trainer.config import world_size_of
+from trainer.config import RunConfig
 
 from . import services, states
 from .forms import NewRunForm, field_label, restore_inputs
@@ -72,9 +72,12 @@ def new_run(request):
 def run_detail(request, run_id: int):
     run = services.run_for(request.user, run_id)
     latest = services.latest_attempt(run)
+    config = RunConfig.model_validate(latest.config)
     page = {
         "state": run.state,
-        "ranks": world_size_of(latest.config),
+        "ranks": config.parallel.world_size,
+        # More than 1: a mixture of experts, whose routing the Experts panel shows.
+        "experts": config.model.experts,
         "attempt": latest.number,
         "runId": run.pk,
         "apiUrl": reverse("api:run_detail", args=[run.pk]),

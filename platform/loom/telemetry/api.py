@@ -7,7 +7,7 @@ from loom.runs import services as run_services
 from loom.runs.api import FieldErrors
 from trainer.config import field_errors
 
-from . import charts
+from . import charts, experts
 from .charts import ChartInputError
 from .ingest import BatchIn, bearer, read_batch, refuse_unless_json, result_answer, too_large
 from .services import IngestRejected, attempt_for_token
@@ -172,6 +172,32 @@ def rank_step_heatmap(
     when given: 1 or a tile span), with each rank's host."""
     run = run_services.run_for(request.user, run_id)
     return _chart(lambda: charts.heatmap(run, metric, _width(width), attempt, start, end, span))
+
+
+def _layers(layers: str) -> list[str] | None:
+    if not layers:
+        return None
+    try:
+        return [str(layer) for layer in sorted({int(layer) for layer in layers.split(",")})]
+    except ValueError:
+        raise ChartInputError({"layers": f"{layers!r} is not a comma-separated list of layers"}) from None
+
+
+@router.get("/runs/{run_id}/metrics/experts", response={200: dict, 400: FieldErrors})
+def expert_load(
+    request,
+    run_id: int,
+    width: int = 800,
+    attempt: int | None = None,
+    start: int | None = None,
+    end: int | None = None,
+    layers: str = "",
+):
+    """A mixture-of-experts run's routing per layer (those asked for, else every one) and column of steps:
+    tokens per expert, load imbalance (max / mean over experts; a column's highest), token copies dropped and
+    balance loss. A dense run has no layers."""
+    run = run_services.run_for(request.user, run_id)
+    return _chart(lambda: experts.expert_load(run, _width(width), attempt, start, end, _layers(layers)))
 
 
 @router.get("/runs/{run_id}/comm", response={200: dict, 400: FieldErrors})

@@ -55,7 +55,8 @@ def attempt_of(run: Run, number: int | None) -> Attempt:
     return attempt
 
 
-def _last_seq(run: Run) -> int:
+def last_seq_of(run: Run) -> int:
+    """The run's latest stored seq, read before a chart's rows (the module docstring says why)."""
     return Run.objects.values_list("last_seq", flat=True).get(pk=run.pk)
 
 
@@ -82,7 +83,7 @@ def series(run: Run, width: int, start: int | None = None, end: int | None = Non
     """Per attempt, the run-level curves over steps. Loss (mean over ranks), validation loss (on the steps
     evaluated), grad norm, lr and MFU are the same on every rank, so the lowest reporting rank's are the
     run's; its batch's tokens/s times the data-parallel degree is the run's."""
-    last_seq = _last_seq(run)
+    last_seq = last_seq_of(run)
     answers = []
     for attempt in run.attempts.order_by("number"):
         data_parallel = _data_parallel(attempt.config)
@@ -158,7 +159,7 @@ def _per_rank_chart(run: Run, metric: str, number: int | None) -> tuple[int, Att
     """(last_seq, attempt, world size) for a per-rank chart of `metric`, after checking the metric."""
     if metric not in RANK_METRICS:
         raise ChartInputError({"metric": f"unknown metric {metric!r}; valid choices are {sorted(RANK_METRICS)}"})
-    last_seq = _last_seq(run)
+    last_seq = last_seq_of(run)
     attempt = attempt_of(run, number)
     return last_seq, attempt, _world_size(attempt)
 

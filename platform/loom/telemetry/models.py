@@ -32,11 +32,19 @@ class Event(models.Model):
         # The traffic panel lists an attempt's windows from its lowest rank's comm events: by the first index
         # that meant reading every comm event of the attempt (a million at 1,024 ranks × 10,000 steps, a
         # second per answer); this one holds only comm events, a few percent of the table.
+        # The experts panel reads the metric events that carry expert load: one rank per pipeline stage of a
+        # mixture-of-experts run sends them, so at 1,024 ranks they are a few in a thousand metric events, which
+        # the index by (attempt, kind, step) would make it read every one of.
         indexes = [
             models.Index(fields=["attempt", "kind", "step"], name="event_by_attempt_kind_step"),
             models.Index(fields=["run", "kind", "seq"], name="event_by_run_kind_seq"),
             models.Index(
                 fields=["attempt", "rank", "step"], name="event_comm_by_attempt_rank", condition=models.Q(kind="comm")
+            ),
+            models.Index(
+                fields=["attempt", "step"],
+                name="event_expert_load_by_step",
+                condition=models.Q(kind="metric", payload__has_key="experts"),
             ),
         ]
 
