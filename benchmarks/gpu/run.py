@@ -8,7 +8,8 @@ Parts, in order, each a subprocess with its own time cap whose output goes to OU
               attention and copy bandwidth (OUTDIR/gemm.json); calibrates trainer.plan's compute model
   memory      benchmarks/gpu/memory_check.py: the trainer's measured peak memory and step time against the
               planner's estimate for 14 single-GPU configs (OUTDIR/memory.json)
-  throughput  benchmarks/throughput.py --config 1b: loom against Hugging Face's Llama, tokens/s and MFU
+  throughput  benchmarks/throughput.py --config 1b: loom against Hugging Face's Llama, tokens/s and MFU; then
+              benchmarks/gpu/fp8_check.py: bf16 against fp8 matmuls (tensorwise, rowwise), tokens/s and loss
   kernels     the Triton kernel tests compiled on CUDA (tests/trainer/test_kernels.py), then benchmarks/kernels.py:
               each kernel fused against eager torch and torch.compile at the 1B config's TP-1 and TP-8 local
               shapes, and the fused cross-entropy's peak memory at vocabulary 128,256
@@ -66,15 +67,19 @@ def parts(out: Path, gpu: str, dry_run: bool) -> list[tuple[str, list[list[str]]
         "tests/trainer/test_kernels.py",
     ]
     throughput = ["--config", "tiny", "--steps", "2"] if dry_run else ["--config", "1b"]
-    memory = [python, "benchmarks/gpu/memory_check.py", str(out / "memory.json"), "--gpu", gpu, "--budget-s", "150"]
+    memory = [python, "benchmarks/gpu/memory_check.py", str(out / "memory.json"), "--gpu", gpu, "--budget-s", "110"]
     return [
         (
             "gemm",
             [[python, "benchmarks/gpu/gemm_sweep.py", str(out / "gemm.json"), "--gpu", gpu, "--budget-s", "60", *flag]],
             75,
         ),
-        ("memory", [memory + flag], 160),
-        ("throughput", [[python, "benchmarks/throughput.py", *throughput]], 80),
+        ("memory", [memory + flag], 120),
+        (
+            "throughput",
+            [[python, "benchmarks/throughput.py", *throughput], [python, "benchmarks/gpu/fp8_check.py", *flag]],
+            120,
+        ),
         (
             "kernels",
             [pytest + (["--collect-only"] if dry_run else []), [python, "benchmarks/kernels.py", *flag]],

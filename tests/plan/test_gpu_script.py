@@ -40,7 +40,10 @@ def test_the_gpu_script_runs_every_part_on_cpu(tmp_path):
     for case in memory["cases"]:
         assert case["measured_peak_bytes"] > 0 and case["measured_step_s"] > 0, case
         assert case["estimated_peak_bytes"] > 0 and case["estimated_step_s"] > 0
-    assert "ratio loom/HF" in (tmp_path / "throughput.log").read_text()
+    throughput = (tmp_path / "throughput.log").read_text()
+    assert "ratio loom/HF" in throughput
+    # bf16, then fp8 matmuls with each scaling recipe, against it.
+    assert throughput.count("× bf16") == 3, throughput
     kernels = (tmp_path / "kernels.log").read_text()
     assert "tests collected" in kernels
     # Four kernels, each at TP 1 and at a TP-8 rank's local shapes, each timed eager, compiled and fused.
