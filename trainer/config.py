@@ -86,6 +86,13 @@ class MoEConfig(_Section):
             "much towards equal load (the bias picks experts, it never weights them); 0 = off."
         ),
     )
+    shared_expert: bool = Field(
+        False,
+        description=(
+            "Also send every token through one more expert of the same size, outside the routing (DeepSeek-V3, "
+            "Llama 4); its output adds to the routed experts'."
+        ),
+    )
     capacity_factor: float | None = Field(
         None,
         gt=0,
@@ -137,6 +144,11 @@ class ModelConfig(_Section):
     )
     top_k: int = Field(1, ge=1, le=64, description="Experts each token is routed to; at most experts.")
     moe: MoEConfig = Field(default_factory=MoEConfig, description="Routing of mixture-of-experts blocks.")
+
+    @property
+    def feed_forward_paths(self) -> int:
+        """Feed-forward experts each token goes through: top_k routed ones and the shared one, or the dense block."""
+        return self.top_k + self.moe.shared_expert if self.experts > 1 else 1
 
     @field_validator("heads")
     @classmethod

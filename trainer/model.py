@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import NORM_EPS, ROPE_BASE, ModelConfig, RopeScaling
+from trainer.dense import dense_feed_forward
 from trainer.kernels import TORCH_KERNELS, KernelSet
 from trainer.moe import MoEFeedForward
 
@@ -105,36 +106,8 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
-class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x): a gated feed-forward block."""
-
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet):
-        super().__init__()
-        self.kernels = kernels
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
-        self.w2 = nn.Linear(cfg.ffn, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.kernels.swiglu(self.w1(x), self.w3(x)))
-
-
-class GELUFeedForward(nn.Module):
-    """w2(gelu(w1 x)), with GELU's tanh approximation, as GPT-2 and GPT-3 trained: PyTorch runs it as one kernel."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
-        self.w2 = nn.Linear(cfg.ffn, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-
-
 def feed_forward(cfg: ModelConfig, kernels: KernelSet) -> nn.Module:
-    if cfg.experts > 1:
-        return MoEFeedForward(cfg, kernels)
-    return SwiGLU(cfg, kernels) if cfg.mlp == "swiglu" else GELUFeedForward(cfg)
+    return MoEFeedForward(cfg, kernels) if cfg.experts > 1 else dense_feed_forward(cfg, kernels)
 
 
 class Block(nn.Module):
@@ -185,7 +158,9 @@ class Transformer(nn.Module):
         for name, parameter in self.named_parameters():
             if parameter.dim() < 2:
                 continue
-            is_residual_projection = name.endswith(("attention.wo.weight", "mlp.w2.weight", "mlp.experts.w2"))
+            is_residual_projection = name.endswith(
+                ("attention.wo.weight", "mlp.w2.weight", "mlp.experts.w2", "mlp.shared.w2.weight")
+            )
             nn.init.normal_(parameter, mean=0.0, std=residual_std if is_residual_projection else INIT_STD)
 
     def tie_output(self) -> None:

@@ -1,5 +1,6 @@
 """The mixture-of-experts feed-forward block: a router picks model.top_k of model.experts SwiGLU (or GELU) experts
-for every token, the experts run on the tokens sent to them, and the gates weight what comes back.
+for every token, the experts run on the tokens sent to them, and the gates weight what comes back; a shared
+expert (model.moe.shared_expert), a dense block of the same size, takes every token besides.
 
 Routing is dropless unless model.moe.capacity_factor caps what an expert takes from one sequence. Tokens are
 sorted by expert (stably, so ties and order are the same in every layout) and each expert multiplies its rows
@@ -26,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.config import ModelConfig
+from trainer.dense import dense_feed_forward
 from trainer.kernels import KernelSet
 
 
@@ -130,6 +132,7 @@ class MoEFeedForward(nn.Module):
         self.settings = cfg.moe
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg, kernels)
+        self.shared = dense_feed_forward(cfg, kernels) if cfg.moe.shared_expert else None
         # Sends rows sorted by expert to the experts and returns their outputs in the same order; None: this
         # module's own experts take them.
         self.dispatch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -156,6 +159,8 @@ class MoEFeedForward(nn.Module):
         outputs = (self.dispatch or self.experts)(tokens[source], counts)
         weighted = (outputs.float() * gates.flatten()[order, None]).to(x.dtype)
         combined = torch.zeros_like(tokens).index_add(0, source, weighted).view(batch, seq_len, dim)
+        if self.shared is not None:
+            combined = combined + self.shared(x)
         # Training forwards only: not evaluation, and not a forward activation checkpointing reruns in backward.
         counts_this_pass = self.counting and torch.is_grad_enabled() and not _in_backward()
         if counts_this_pass:

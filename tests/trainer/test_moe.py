@@ -57,6 +57,21 @@ def test_dropless_routing_sends_every_token_to_each_of_its_experts_and_weights_w
     torch.testing.assert_close(out, token_by_token(block, x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_shared_expert_adds_its_output_to_the_routed_experts_for_every_token():
+    routed_only = moe_block()
+    with_shared = moe_block(shared_expert=True)
+    with_shared.load_state_dict(routed_only.state_dict(), strict=False)
+    x = torch.randn(2, SEQ_LEN, DIM)
+    with torch.no_grad():
+        expected = routed_only(x) + with_shared.shared(x)
+        torch.testing.assert_close(with_shared(x), expected)
+    assert {name for name, _ in with_shared.named_parameters()} - {n for n, _ in routed_only.named_parameters()} == {
+        "shared.w1.weight",
+        "shared.w2.weight",
+        "shared.w3.weight",
+    }
+
+
 def test_a_capacity_keeps_the_first_tokens_of_each_sequence_an_expert_can_take_and_drops_the_rest():
     block = moe_block(capacity_factor=0.5)
     x = torch.randn(2, SEQ_LEN, DIM)

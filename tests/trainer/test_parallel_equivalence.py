@@ -148,7 +148,7 @@ MODEL_VARIANTS = {
     "tied": {"tie_embeddings": True},
     # A mixture of experts every layout runs alike: routing ties go to the lower expert, and the balance loss and
     # the capacity are counted per sequence, so data parallelism and microbatches leave them as they are.
-    "moe": {"experts": 4, "top_k": 2, "moe": {"balance_loss": 0.05, "bias_update_rate": 0.01}},
+    "moe": {"experts": 4, "top_k": 2, "moe": {"balance_loss": 0.05, "bias_update_rate": 0.01, "shared_expert": True}},
 }
 VARIANT_LAYOUTS = [
     ("gelu", "dp2xtp2"),

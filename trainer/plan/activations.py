@@ -69,11 +69,12 @@ class Shape:
     """Key/value width: kv_heads × head_dim."""
     f: int
     top_k: int = 1
+    """Feed-forward experts each token goes through (ModelConfig.feed_forward_paths; 1 in a dense block)."""
 
     @classmethod
     def of(cls, model: ModelConfig, local_seq: int, micro_seqs: int) -> Shape:
         head_dim = model.dim // model.heads
-        top_k = model.top_k if model.experts > 1 else 1
+        top_k = model.feed_forward_paths
         return cls(local_seq, micro_seqs, model.dim, model.heads, model.kv_heads * head_dim, model.ffn, top_k)
 
 
@@ -136,7 +137,8 @@ def loom_layer(
         tensors.append(
             SavedTensor("router probabilities (fp32)", "sbE", s * b * model.experts, 4, False, False, UNLESS_FULL)
         )
-        tensors.append(SavedTensor("tokens dispatched to experts", "k·sbh", k * sbh, m, False, False, UNLESS_FULL))
+        dispatched = model.top_k * sbh
+        tensors.append(SavedTensor("tokens dispatched to experts", "k·sbh", dispatched, m, False, False, UNLESS_FULL))
     if model.mlp == "swiglu" and fused_kernels:
         tensors.append(
             SavedTensor("gate and up projections", "2·k·sbf", 2 * k * s * b * f, e, True, False, UNLESS_FULL)

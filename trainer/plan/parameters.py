@@ -63,7 +63,15 @@ def mlp_tensors(model: ModelConfig, prefix: str, copies: int = 1) -> list[Parame
             tensor(f"{prefix}.experts.w3", (e, f, h), tp_dim=1, expert=True),
             tensor(f"{prefix}.experts.w2", (e, h, f), tp_dim=2, expert=True),
         ]
-        return [router] + (experts if model.mlp == "swiglu" else [experts[0], experts[2]])
+        routed = [router] + (experts if model.mlp == "swiglu" else [experts[0], experts[2]])
+        shared = dense_mlp_tensors(model, f"{prefix}.shared", copies) if model.moe.shared_expert else []
+        return routed + shared
+    return dense_mlp_tensors(model, prefix, copies)
+
+
+def dense_mlp_tensors(model: ModelConfig, prefix: str, copies: int = 1) -> list[ParameterTensor]:
+    h, f = model.dim, model.ffn
+    tensor = partial(ParameterTensor, copies=copies)
     up = [tensor(f"{prefix}.w1.weight", (f, h), tp_dim=0)]
     if model.mlp == "swiglu":
         up.append(tensor(f"{prefix}.w3.weight", (f, h), tp_dim=0))

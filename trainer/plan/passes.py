@@ -68,5 +68,5 @@ def block_pass_bytes(layout: Layout) -> PassBytes:
             attention += 2 * (model.kv_heads * head_dim + model.dim) / tp * e
         attention += 2 * model.dim / tp * e
     activation = swiglu if model.mlp == "swiglu" else 2 * e
-    mlp = model.dim / spread * norm + model.ffn * model.top_k / tp * activation
+    mlp = model.dim / spread * norm + model.ffn * model.feed_forward_paths / tp * activation
     return PassBytes(attention, mlp, RESIDUALS_PER_BLOCK * 3 * e * model.dim / spread)
