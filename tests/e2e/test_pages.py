@@ -230,6 +230,7 @@ def test_valid_form_creates_the_run_and_opens_its_page(logged_in, ada):
             "renormalize": True,
             "balance_loss": 0.01,
             "bias_update_rate": 0.0,
+            "shared_expert": False,
             "capacity_factor": None,
         },
         "rope_theta": 10000.0,
