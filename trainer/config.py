@@ -232,11 +232,16 @@ class ParallelConfig(_Section):
         None,
         description=(
             "What the dp_shard × cp ranks shard: 1 optimizer states, 2 also gradients, 3 also parameters (FSDP); "
-            "null: 3 when dp_shard × cp > 1, else 0."
+            "null: 3 when dp_shard × cp > 1, else 0. loom's trainer runs all three on FSDP2; under 1 and 2 it "
+            "gathers the parameters whole once per step (1) or pass (2) and reduce-scatters the gradients once per "
+            "step (1) or in every pass (2)."
         ),
     )
     reshard_after_forward: bool = Field(
-        True, description="FSDP2: free gathered parameters after forward (less memory, one more all-gather)."
+        True,
+        description=(
+            "ZeRO-3: free gathered parameters after forward (less memory, one more all-gather); ZeRO-1 and 2 never do."
+        ),
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Collective backend; auto picks NCCL on CUDA and gloo on CPU."
@@ -261,6 +266,12 @@ class ParallelConfig(_Section):
         if self.zero_stage is not None:
             return self.zero_stage
         return 3 if self.sharding_ranks > 1 else 0
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether FSDP2 frees each block's gathered parameters after its forward: ZeRO-3 as configured;
+        ZeRO-1 and 2 hold them whole through the pass."""
+        return self.reshard_after_forward and self.zero not in (1, 2)
 
     @property
     def data_parallel(self) -> int:
@@ -865,7 +876,7 @@ def parse_config(document: Any, *, runnable: bool = True) -> RunConfig:
     """Validate a run-config document, raising ConfigError with field-level messages.
 
     runnable=False accepts layouts the planner can estimate but this trainer cannot run yet
-    (mixture of experts, fp8, ZeRO-1/2, offload, …); launching always checks runnable."""
+    (mixture of experts under tensor parallelism, offload, …); launching always checks runnable."""
     if not isinstance(document, dict):
         raise ConfigError({"config": "must be a JSON object"})
     try:
@@ -905,10 +916,6 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
         "compute.compile": (
             model.experts > 1 and config.compute.compile,
             "the trainer runs mixture-of-experts blocks eagerly so far; use false",
-        ),
-        "parallel.zero_stage": (
-            parallel.zero_stage in (1, 2),
-            "the trainer shards with FSDP (ZeRO-3) or not at all; use 3, 0 or null",
         ),
         "compute.precision": (
             config.compute.precision == "fp8" and (parallel.tp > 1 or model.experts > 1),

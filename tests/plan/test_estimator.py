@@ -1,5 +1,6 @@
 """The planner's estimates against closed forms from the literature and against its own parts."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -9,7 +10,14 @@ from trainer.config import ConfigError, parse_config
 from trainer.plan.activations import Shape, layer_bytes, megatron_layer
 from trainer.plan.estimate import estimate, parse_plan
 from trainer.plan.layout import Layout
-from trainer.plan.memory import activation_terms, in_flight_microbatches, model_state_terms, state_elements
+from trainer.plan.memory import (
+    activation_terms,
+    buffer_terms,
+    in_flight_microbatches,
+    model_state_terms,
+    rank_state_elements,
+    state_elements,
+)
 from trainer.plan.parameters import rank_tensors, total_parameters
 from trainer.plan.schedule import simulate
 from trainer.plan.terms import total
@@ -42,9 +50,23 @@ def model_state_bytes(layout: Layout) -> float:
     ],
 )
 def test_model_states_follow_zero(parallel, bytes_per_parameter):
-    """ZeRO (Rajbhandari et al. 2020, mixed precision, K = 12): 16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N."""
-    layout = plan(parallel)
+    """ZeRO (Rajbhandari et al. 2020, mixed precision, K = 12): 16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N, as Megatron-LM
+    (its distributed optimizer, its FSDP) holds them."""
+    layout = dataclasses.replace(plan(parallel), runtime="megatron")
     assert model_state_bytes(layout) == bytes_per_parameter * total_parameters(layout.model)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_loom_keeps_every_zero_stage_sharded_between_steps(zero_stage):
+    """loom's trainer runs ZeRO-1 and 2 on FSDP2: between steps its fp32 parameters, gradients and AdamW moments
+    are sharded like ZeRO-3's; within a step the whole parameters it gathers are a buffer of their own."""
+    layout = plan({"dp_shard": 4, "zero_stage": zero_stage, "reshard_after_forward": True})
+    assert model_state_bytes(layout) == 16 / 4 * total_parameters(layout.model)
+    buffers = {term.name: term.value for term in buffer_terms(layout, 0, rank_state_elements(layout, 0))}
+    # ZeRO-3 frees each block after its forward (two held at a time); ZeRO-1 and 2 hold every block whole.
+    blocks_held = 2 if zero_stage == 3 else SMALL_MODEL["layers"]
+    bf16_model = 2 * total_parameters(layout.model)
+    assert buffers["FSDP gathered parameters"] == bf16_model * blocks_held / SMALL_MODEL["layers"]
 
 
 def test_tensor_parallel_splits_matrices_but_not_norms():

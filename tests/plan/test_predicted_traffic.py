@@ -6,7 +6,6 @@ from tests.hybrid import hybrid_config
 from tests.trainer.torchrun import run_trainer
 from trainer.config import parse_config
 from trainer.plan.traffic import predicted_matrix
-from trainer.traffic import traffic_matrix
 
 pytestmark = pytest.mark.slow
 
@@ -21,10 +20,8 @@ def measured(tmp_path_factory):
     inference (one extra forward) and is left out: the planner predicts a steady-state step."""
     run = run_trainer(tmp_path_factory.mktemp("hybrid"), HYBRID_RUN)
     assert run.returncode == 0, run.output[-4000:]
-    rows = [event["payload"] for _, event in run.events("comm") if event["payload"]["window"][0] > 1]
-    assert len(rows) == 8 * (STEPS - 1)
-    matrix = traffic_matrix(rows)
-    return {kind: [[nbytes / (STEPS - 1) for nbytes in row] for row in matrix.by_kind[kind]] for kind in KINDS}
+    assert len([event for _, event in run.events("comm") if event["payload"]["window"][0] > 1]) == 8 * (STEPS - 1)
+    return run.traffic_per_step(KINDS, after_step=1, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +68,7 @@ EXPERT_RUN = {
 def measured_expert_traffic(tmp_path_factory):
     run = run_trainer(tmp_path_factory.mktemp("experts"), EXPERT_RUN)
     assert run.returncode == 0, run.output[-4000:]
-    rows = [event["payload"] for _, event in run.events("comm") if event["payload"]["window"][0] > 1]
-    matrix = traffic_matrix(rows).by_kind
-    return {kind: [[nbytes / (STEPS - 1) for nbytes in row] for row in matrix[kind]] for kind in ("ep", "dp")}
+    return run.traffic_per_step(("ep", "dp"), after_step=1, steps=STEPS)
 
 
 @pytest.mark.parametrize(

@@ -101,10 +101,10 @@ def test_json_is_the_documented_shape(llama70b):
         assert entry["rank"] == ranked.get(entry["summary"])
 
 
-def test_runnable_says_whether_the_trainer_runs_the_layout(llama70b):
-    for found in llama70b.results + llama70b.pareto:
-        expected = found.candidate.data.zero_stage not in (1, 2)
-        assert found.runnable == expected
+def test_the_trainer_runs_every_zero_stage_the_search_ranks(llama70b):
+    found = llama70b.results + llama70b.pareto
+    assert {entry.candidate.data.zero_stage for entry in found} == {1, 2, 3}
+    assert all(entry.runnable for entry in found)
 
 
 def test_llama3_405b_on_16384_h100s_finds_layouts_that_split_its_126_layers():
@@ -198,10 +198,11 @@ def test_every_layout_the_rules_accept_is_searched():
 
 # ---- only the layouts loom's trainer runs ----
 
-DENSE_CASES = [case for case in SMALL_CASES if "mixtral" not in case[0]["preset"]]
+# The trainer runs a mixture of experts without tensor parallelism only, so the search ranks some layouts it cannot.
+MIXTURE_CASES = [case for case in SMALL_CASES if "mixtral" in case[0]["preset"]]
 
 
-@pytest.mark.parametrize(("model", "cluster", "global_batch"), DENSE_CASES)
+@pytest.mark.parametrize(("model", "cluster", "global_batch"), SMALL_CASES)
 def test_a_runnable_only_search_returns_only_what_a_launch_accepts(model, cluster, global_batch):
     result = search(model, cluster, global_batch, runnable_only=True)
     assert result.results and result.pareto
@@ -210,7 +211,7 @@ def test_a_runnable_only_search_returns_only_what_a_launch_accepts(model, cluste
         assert found.runnable
 
 
-@pytest.mark.parametrize(("model", "cluster", "global_batch"), DENSE_CASES)
+@pytest.mark.parametrize(("model", "cluster", "global_batch"), MIXTURE_CASES)
 def test_the_best_runnable_layout_is_the_best_runnable_one_of_the_full_ranking(model, cluster, global_batch):
     every_fitting = search(model, cluster, global_batch).fitting
     ranking = [found for found in search(model, cluster, global_batch, limit=every_fitting).results if found.runnable]

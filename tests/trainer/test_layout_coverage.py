@@ -15,7 +15,15 @@ import math
 
 from trainer.config import ConfigError, ParallelConfig, parse_config
 
-from .test_parallel_equivalence import EXPERT_LAYOUTS, LAYOUTS, MODEL_VARIANTS, REFERENCE, VARIANT_LAYOUTS, with_model
+from .test_parallel_equivalence import (
+    EXPERT_LAYOUTS,
+    LAYOUTS,
+    MODEL_VARIANTS,
+    REFERENCE,
+    VARIANT_LAYOUTS,
+    ZERO_LAYOUTS,
+    with_model,
+)
 
 DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 DEGREES = (1, 2, 4, 8)
@@ -109,3 +117,12 @@ def test_every_pair_of_mixture_of_experts_branches_the_trainer_runs_is_in_the_eq
     assert not missing, (
         f"pairs of mixture-of-experts branches the trainer runs that no equivalence layout covers: {missing}"
     )
+
+
+# ZeRO-1 and 2 branch where gradient accumulation and pipeline schedules reduce (accumulation_pass,
+# gradients_reduced), so the matrix runs each with and without pipeline stages, accumulating over passes.
+def test_zero_1_and_2_run_in_the_matrix_with_and_without_pipeline_stages_and_accumulating():
+    configs = [parse_config(document) for document in ZERO_LAYOUTS.values()]
+    assert all(config.accumulation_steps > 1 for config in configs)
+    covered = {(config.parallel.zero, config.parallel.pp > 1) for config in configs}
+    assert covered >= {(zero, staged) for zero in (1, 2) for staged in (False, True)}

@@ -10,6 +10,7 @@ import torch
 from trainer.config import parse_config
 from trainer.plan.layout import Layout
 from trainer.plan.memory import state_bytes_of_rank
+from trainer.plan.traffic import predicted_matrix
 
 from .token_dataset import stdlib_documents, stdlib_token_dataset, write_token_dataset
 from .torchrun import FinishedRun, assert_trains_like, run_trainer
@@ -21,10 +22,16 @@ GLOBAL_BATCH = 8
 
 
 def layout(
-    micro_batch_divisor: int = 1, recompute: str = "none", compile: bool = False, recompute_every: int = 1, **parallel
+    micro_batch_divisor: int = 1,
+    recompute: str = "none",
+    compile: bool = False,
+    recompute_every: int = 1,
+    accumulation: int = 1,
+    **parallel,
 ) -> dict:
-    """A tiny fp32 run whose global batch is GLOBAL_BATCH whatever the data-parallel degree."""
-    return {
+    """A tiny fp32 run whose global batch is GLOBAL_BATCH whatever the data-parallel degree, in `accumulation`
+    passes a step."""
+    document = {
         "steps": STEPS,
         "model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 32},
         "parallel": parallel,
@@ -35,9 +42,12 @@ def layout(
             "recompute_every": recompute_every,
         },
         "optimizer": {"lr": 3e-3, "warmup_steps": 1},
-        "data": {"micro_batch": GLOBAL_BATCH // micro_batch_divisor, "corpus_bytes": 200_000},
+        "data": {"micro_batch": GLOBAL_BATCH // (micro_batch_divisor * accumulation), "corpus_bytes": 200_000},
         "telemetry": {"flush_interval_s": 0.2, "heartbeat_interval_s": 60},
     }
+    if accumulation > 1:
+        document["data"]["global_batch"] = GLOBAL_BATCH
+    return document
 
 
 # What every layout is compared with: one process, no parallelism.
@@ -96,6 +106,16 @@ EXPERT_LAYOUTS = {
     "fsdp2xcp2xpp2_ep2": layout(2, dp_shard=2, cp=2, pp=2, ep=2, microbatches=2),
 }
 
+# ZeRO-1 and 2 on FSDP2 hold the parameters whole through a pass; only gradient accumulation tells them apart
+# (ZeRO-1 keeps whole gradients and the gathered parameters from pass to pass, ZeRO-2 reduce-scatters every pass's),
+# so each accumulates over two passes, and the data-parallel traffic those choices change is held to the planner's.
+ZERO_LAYOUTS = {
+    "fsdp2_zero1_accumulate2": layout(2, accumulation=2, dp_shard=2, zero_stage=1),
+    "hsdp2x2_zero2_accumulate2": layout(4, accumulation=2, dp_replicate=2, dp_shard=2, zero_stage=2),
+    "fsdp2xpp2_zero1_accumulate2": layout(2, accumulation=2, dp_shard=2, pp=2, microbatches=2, zero_stage=1),
+    "fsdp2xpp2_zero2_accumulate2": layout(2, accumulation=2, dp_shard=2, pp=2, microbatches=2, zero_stage=2),
+}
+
 
 def assert_planner_predicts_state_bytes(run: FinishedRun, document: dict) -> None:
     """Every rank's parameter, gradient and optimizer-state bytes, as the trainer measured them,
@@ -123,6 +143,24 @@ def test_layout_matches_a_single_process(name, single_process, tmp_path):
     assert_planner_predicts_state_bytes(run, LAYOUTS[name])
     assert len(run.loss_means()) == STEPS
     assert_trains_like(run, single_process)
+
+
+@pytest.mark.parametrize("name", list(ZERO_LAYOUTS))
+def test_zero_layout_matches_a_single_process_and_moves_what_the_planner_predicts(name, single_process, tmp_path):
+    document = copy.deepcopy(ZERO_LAYOUTS[name])
+    document["telemetry"]["comm_window_steps"] = 1
+    run = run_trainer(tmp_path, document)
+    assert run.returncode == 0, run.output[-4000:]
+    assert_planner_predicts_state_bytes(run, document)
+    assert_trains_like(run, single_process)
+    # After the first step, whose pipeline shape inference runs one more forward.
+    measured = run.traffic_per_step(("dp",), after_step=1, steps=STEPS)["dp"]
+    predicted = predicted_matrix(parse_config(document)).by_kind["dp"]
+    # Besides the planner's collectives, a step all-reduces a few scalars (loss, gradient norm) over the data ranks.
+    for source, row in enumerate(measured):
+        for destination, nbytes in enumerate(row):
+            expected = predicted[source][destination]
+            assert abs(expected - nbytes) <= max(0.1 * expected, 1024), (source, destination, nbytes, expected)
 
 
 # The Triton kernels (interpreted on CPU) on the local shards and chunks that tensor, sequence, context and pipeline

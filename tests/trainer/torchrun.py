@@ -16,6 +16,7 @@ import torch
 
 from trainer.config import parse_config
 from trainer.telemetry import read_spool
+from trainer.traffic import traffic_matrix
 
 ROOT = Path(__file__).resolve().parents[2]
 # How much of torchrun's output, and of each rank's stdout and stderr, a failure report shows.
@@ -75,6 +76,14 @@ class FinishedRun:
             if "eval_loss" in event["payload"]:
                 found.setdefault(rank, {})[event["step"]] = event["payload"]["eval_loss"]
         return found
+
+    def traffic_per_step(self, kinds: tuple[str, ...], after_step: int, steps: int) -> dict[str, list[list[float]]]:
+        """{kind: bytes each rank sent each other per step} over steps after_step + 1 … steps, from the comm
+        events of a run that reports every step's traffic (telemetry.comm_window_steps 1)."""
+        rows = [event["payload"] for _, event in self.events("comm") if event["payload"]["window"][0] > after_step]
+        counted = steps - after_step
+        matrix = traffic_matrix(rows).by_kind
+        return {kind: [[nbytes / counted for nbytes in row] for row in matrix[kind]] for kind in kinds}
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """The final full parameters, merged from every pipeline rank's file."""

@@ -22,7 +22,7 @@ from trainer.model import Transformer
 
 from .compiled import recompute_and_compile
 from .context import apply_context_parallel
-from .data import apply_ddp, apply_fsdp, gradient_sync
+from .data import accumulation_pass, apply_ddp, apply_fsdp, reduces_gradients
 from .expert import apply_expert_parallel, moe_blocks
 from .float8 import apply_float8
 from .local_kernels import on_local_shards
@@ -104,7 +104,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             scale_balance_losses(state_modules, 1.0 / len(passes))
             losses = []
             for index, (pass_inputs, pass_targets) in enumerate(passes):
-                with gradient_sync(module, enabled=index == len(passes) - 1):
+                with accumulation_pass(module, parallel.zero, last_pass=index == len(passes) - 1):
                     loss = mean_loss(pass_inputs, pass_targets)
                     (loss / len(passes)).backward()
                 losses.append(loss.detach())
@@ -149,7 +149,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             scale_balance_losses(state_modules, pipeline_loss.scale)
             passes = list(zip(inputs.chunk(accumulation_steps), targets.chunk(accumulation_steps), strict=True))
             for index, (pass_inputs, pass_targets) in enumerate(passes):
-                with gradients_reduced(schedule, reduced=index == len(passes) - 1):
+                with gradients_reduced(schedule, reduced=reduces_gradients(parallel.zero, index == len(passes) - 1)):
                     run_schedule(schedule.step, pass_inputs, pass_targets, losses)
             if not losses:
                 return None

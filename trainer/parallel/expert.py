@@ -48,7 +48,7 @@ def shard_experts(
             moe.experts,
             mesh=experts_mesh[dims],
             mp_policy=policy,
-            reshard_after_forward=parallel.reshard_after_forward,
+            reshard_after_forward=parallel.reshards_after_forward,
         )
         moe.experts.set_gradient_divide_factor(float(parallel.data_parallel * parallel.cp))
         # A factor of its own makes FSDP pre-multiply in the reduce-scatter, which gloo cannot: summing and then

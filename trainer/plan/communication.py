@@ -256,15 +256,21 @@ def data_parallel_traffic(
             add("all_reduce", "dp", 4 * elements, 1, f"{how}: fp32 gradients{once}")
         return traffic
     shards = [("dp_shard", elements - expert_elements, ""), ("expert_shard", expert_elements, " of the experts")]
-    if zero == 3:
-        # Resharding after forward gathers again for every microbatch's forward and once for backward.
-        gathers = m + 1 if parallel.reshard_after_forward else 1
+    replicas_every_pass = False
+    if layout.zero_at_rest == 3:
+        # loom's FSDP2, at every stage. Resharding after forward (ZeRO-3 only) gathers again for every microbatch's
+        # forward and once for backward; ZeRO-1 keeps the parameters gathered from pass to pass. ZeRO-2 reduces
+        # every pass's gradients, the others wait for the last pass.
+        gathers = m + 1 if parallel.reshards_after_forward else 1
         before = "before forward" + (" and backward" if gathers > 1 else "")
         every = " in every pass" if passes > 1 else ""
+        who = "FSDP" if zero == 3 else f"ZeRO-{zero} on FSDP"
+        replicas_every_pass = zero == 2
         for dim, count, whose in shards:
-            note = f"FSDP: parameters{whose} {before}{every}"
-            add("all_gather", dim, c * count, gathers, note, every_pass=True)
-            add("reduce_scatter", dim, 4 * count, 1, f"FSDP: fp32 gradients{whose}{once}")
+            gathered = f"{who}: parameters{whose} {before}{once if zero == 1 else every}"
+            add("all_gather", dim, c * count, gathers, gathered, every_pass=zero != 1)
+            reduced = f"{who}: fp32 gradients{whose}{every if replicas_every_pass else once}"
+            add("reduce_scatter", dim, 4 * count, 1, reduced, every_pass=replicas_every_pass)
         grad_bytes = 4
     else:
         # ZeRO-2 holds only its shard of the gradients, so each pass's go to their owners; ZeRO-1 sums whole ones.
@@ -276,7 +282,8 @@ def data_parallel_traffic(
         grad_bytes = c
     if group["dp_replicate"].size > 1:
         shard_bytes = sum(grad_bytes * count / group[dim].size for dim, count, _ in shards)
-        add("all_reduce", "dp_replicate", shard_bytes, 1, f"HSDP: each shard's gradients across replicas{once}")
+        across = f"HSDP: each shard's gradients across replicas{every if replicas_every_pass else once}"
+        add("all_reduce", "dp_replicate", shard_bytes, 1, across, every_pass=replicas_every_pass)
     return traffic
 
 

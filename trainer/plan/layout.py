@@ -100,10 +100,18 @@ class Layout:
 
     @property
     def keeps_fp32_master_parameters(self) -> bool:
-        """loom's trainer (DDP, FSDP2) keeps fp32 parameters and gradients and computes in bf16 on
-        the fly; ZeRO-1/2 (Megatron's distributed optimizer, DeepSpeed) keep bf16 parameters and
-        gradients, with the fp32 master copy inside the optimizer states."""
-        return self.precision == "fp32" or self.parallel.zero in (0, 3)
+        """loom's trainer (DDP, FSDP2 at every ZeRO stage) keeps fp32 parameters and gradients and computes in
+        bf16 on the fly; ZeRO-1/2 elsewhere (Megatron's distributed optimizer, DeepSpeed) keep bf16 parameters
+        and gradients, with the fp32 master copy inside the optimizer states."""
+        return self.precision == "fp32" or self.zero_at_rest in (0, 3)
+
+    @property
+    def zero_at_rest(self) -> int:
+        """The ZeRO stage whose sharding a rank's states keep between steps. loom's trainer runs ZeRO-1 and 2 on
+        FSDP2 (trainer/parallel/data.py), so between steps they are ZeRO-3's: parameters, gradients and optimizer
+        states all sharded; within a step they differ from it in when they gather and reduce."""
+        zero = self.parallel.zero
+        return 3 if self.runtime == "loom" and zero in (1, 2) else zero
 
     @property
     def autocast(self) -> bool:

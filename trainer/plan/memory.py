@@ -103,7 +103,7 @@ class StateElements:
 
 def state_elements(layout: Layout, tensors: list[ParameterTensor], shard_index: int = 0) -> StateElements:
     """What a rank holding `tensors` (by name or by kind) keeps of each; shard_index picks its FSDP chunk."""
-    parallel, zero = layout.parallel, layout.parallel.zero
+    parallel, zero = layout.parallel, layout.zero_at_rest
     whole = chunked = 0
     for tensor in tensors:
         whole += tensor.copies * local_elements(tensor, parallel, False, shard_index)
@@ -134,7 +134,7 @@ def unsharded_embedding_gradient(layout: Layout, tensors: list[ParameterTensor])
     keeps all vocab × dim of it until the optimizer step. Tied to the output layer, whose column-parallel
     gradient (a shard) the parameter takes first, it adds into that shard."""
     tp = layout.parallel.tp
-    if tp == 1 or layout.parallel.zero >= 2 or reduces_block_by_block(layout.parallel) or layout.model.tie_embeddings:
+    if tp == 1 or layout.zero_at_rest >= 2 or reduces_block_by_block(layout) or layout.model.tie_embeddings:
         return 0
     return sum(t.copies * t.elements * (tp - 1) // tp for t in tensors if t.name == "embedding.weight")
 
@@ -145,7 +145,7 @@ def rank_state_elements(layout: Layout, pp_rank: int, shard_index: int = 0) -> S
 
 
 def model_state_terms(layout: Layout, elements: StateElements) -> list[Term]:
-    zero, n = layout.parallel.zero, layout.parallel.sharding_ranks
+    zero, n = layout.zero_at_rest, layout.parallel.sharding_ranks
     shard = lambda stage: f"/N (N={n})" if zero >= stage and n > 1 else ""  # noqa: E731
     if layout.keeps_fp32_master_parameters:
         parameter_bytes, gradient_bytes, optimizer_bytes = 4, 4, 8
@@ -177,22 +177,23 @@ def model_state_terms(layout: Layout, elements: StateElements) -> list[Term]:
     return terms
 
 
-def reduces_block_by_block(parallel) -> bool:
-    """Whether FSDP2 gathers each block's parameters and reduces its gradients: under ZeRO-3, and where
-    it only replicates (HSDP with one shard per replica); ZeRO-1/2 belong to other trainers."""
-    return parallel.fully_shards and parallel.zero in (0, 3)
+def reduces_block_by_block(layout: Layout) -> bool:
+    """Whether FSDP2 gathers each block's parameters and reduces its gradients: at every ZeRO stage of loom's
+    trainer, and where it only replicates (HSDP with one shard per replica); ZeRO-1/2 elsewhere gather and
+    reduce flat buffers."""
+    return layout.parallel.fully_shards and layout.zero_at_rest in (0, 3)
 
 
 def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[Term]:
     """Working copies of parameters and gradients that communication and mixed precision need."""
     parallel, c = layout.parallel, layout.compute_bytes
     rank_layers = held_layers(layout.model, layout.total_stages, stages_of_rank(parallel, pp_rank))
-    block_by_block = reduces_block_by_block(parallel)
+    block_by_block = reduces_block_by_block(layout)
     terms = []
     if block_by_block:
         per_layer = elements.unsharded / max(rank_layers, 1)
         reduce_bytes = c + (4 if c != 4 else 0)
-        if parallel.reshard_after_forward:
+        if parallel.reshards_after_forward:
             terms.append(
                 Term(
                     "FSDP gathered parameters",
@@ -201,16 +202,17 @@ def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[
                 )
             )
         else:
+            held = {
+                1: "gathered once per step, held through every pass",
+                2: "gathered once per pass, held through it",
+            }.get(parallel.zero, "every block stays gathered from forward to backward")
             terms.append(
-                Term(
-                    "FSDP gathered parameters",
-                    c * elements.unsharded,
-                    f"every block stays gathered from forward to backward: {c} B × {count(elements.unsharded)}",
-                )
+                Term("FSDP gathered parameters", c * elements.unsharded, f"{held}: {c} B × {count(elements.unsharded)}")
             )
-        if layout.config.accumulation_steps > 1:
+        if layout.config.accumulation_steps > 1 and parallel.zero != 2:
             # loom's trainer skips the reduce-scatter on inner accumulation passes (set_requires_gradient_sync),
-            # so FSDP2 keeps every block's gradients whole, accumulated in fp32, until the last pass.
+            # so FSDP2 keeps every block's gradients whole, accumulated in fp32, until the last pass; ZeRO-2
+            # reduce-scatters every pass's and keeps only its shard.
             terms.append(
                 Term(
                     "FSDP accumulated gradients",
