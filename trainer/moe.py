@@ -56,6 +56,13 @@ class Router(nn.Module):
         return probabilities, chosen, gates
 
 
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype matrix products on `tensor` run in: autocast's where it is on (it does not cover torch._grouped_mm,
+    so the block casts for it), else the tensor's own."""
+    device = tensor.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
+
+
 def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """rows [n, in] grouped by expert (counts[e] rows each, in expert order) times weight [E, out, in]ᵀ -> [n, out]."""
     weight = weight.to(rows.dtype).transpose(-2, -1)
@@ -155,10 +162,9 @@ class MoEFeedForward(nn.Module):
             kept = self._within_capacity(chosen.reshape(batch, -1), seq_len).flatten()
             order = order[kept[order]]
         counts = torch.bincount(copies[order], minlength=self.experts_count)
-        source = order // self.top_k
-        outputs = (self.dispatch or self.experts)(tokens[source], counts)
-        weighted = (outputs.float() * gates.flatten()[order, None]).to(x.dtype)
-        combined = torch.zeros_like(tokens).index_add(0, source, weighted).view(batch, seq_len, dim)
+        dtype = compute_dtype(tokens)
+        outputs = (self.dispatch or self.experts)(tokens[order // self.top_k].to(dtype), counts)
+        combined = self._combine(outputs, order, gates.to(dtype)).view(batch, seq_len, dim)
         if self.shared is not None:
             combined = combined + self.shared(x)
         # Training forwards only: not evaluation, and not a forward activation checkpointing reruns in backward.
@@ -172,6 +178,18 @@ class MoEFeedForward(nn.Module):
             weight = self.settings.balance_loss * self.balance_loss_scale
             combined = _BalanceLossGradient.apply(combined, balance * weight)
         return combined
+
+    def _combine(self, outputs: torch.Tensor, order: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Each token's expert outputs (sorted by expert, in `order`), weighted by its gates [N, k] and added up:
+        one batched product over the token's k copies, which keeps for backward only them, gates and an index (a
+        copy capacity dropped contributes zeros)."""
+        tokens, k = gates.shape
+        position = torch.full((tokens * k,), len(order), dtype=order.dtype, device=order.device)
+        position[order] = torch.arange(len(order), device=order.device)
+        if len(order) < tokens * k:
+            outputs = torch.cat([outputs, outputs.new_zeros(1, outputs.shape[-1])])
+        per_token = outputs[position].view(tokens, k, -1)
+        return torch.bmm(gates.unsqueeze(1), per_token).squeeze(1)
 
     def _within_capacity(self, chosen: torch.Tensor, seq_len: int) -> torch.Tensor:
         """[B, T·k] bool: the token copies each expert takes from its sequence, first come first served."""

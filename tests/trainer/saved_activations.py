@@ -8,7 +8,7 @@ The model runs the kernels the trainer would (trainer/parallel/apply.py): the Tr
 tensor parallelism on each rank's local rows. Tensor-parallel layouts run on two processes over gloo, and rank 0's
 bytes are reported.
 
-A layout is [tp, sequence_parallel, recompute, precision, mlp]:
+A layout is [tp, sequence_parallel, recompute, precision, mlp], where mlp may name a mixture of experts (MIXTURES):
 
     python tests/trainer/saved_activations.py '[[2, true, "full", "bf16", "gelu"]]'
 """
@@ -42,11 +42,16 @@ from trainer.parallel.tensor import apply_tensor_parallel  # noqa: E402
 # Sizes no activation shares with a weight (tokens 80, not 48, 24 or 136), so a weight copy is told apart by shape.
 MODEL = {"dim": 48, "heads": 4, "kv_heads": 2, "ffn": 136, "vocab": 260, "seq_len": 40}
 MICRO_BATCH = 2
+# Mixture-of-experts blocks (SwiGLU experts), by the name a layout gives in place of its mlp.
+MIXTURES = {
+    "moe": {"experts": 4, "top_k": 2},
+    "moe_shared": {"experts": 4, "top_k": 2, "moe": {"shared_expert": True}},
+}
 
 
 def layout_config(tp: int, sequence_parallel: bool, recompute: str, precision: str, mlp: str, layers: int) -> RunConfig:
     document = {
-        "model": MODEL | {"layers": layers, "mlp": mlp},
+        "model": MODEL | {"layers": layers} | MIXTURES.get(mlp, {"mlp": mlp}),
         "parallel": {"tp": tp, "sequence_parallel": sequence_parallel},
         "compute": {"precision": precision, "recompute": recompute},
         "data": {"micro_batch": MICRO_BATCH},
@@ -61,6 +66,10 @@ def storage_key(tensor: torch.Tensor) -> tuple[object, int]:
         shard = shard.elem
     storage = shard.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
+
+
+def transposed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[:-2] + shape[-2:][::-1]
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -79,9 +88,11 @@ def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str,
         model.use_kernels(kernels)
     apply_recompute(model, config.compute)
     parameters = {storage_key(parameter)[0] for parameter in model.parameters()}
-    # A weight's autocast copy, or its transpose as a linear layer saves it.
+    # A weight's autocast copy, or its transpose as a linear layer (or, of stacked experts, a grouped product) saves it.
     weight_shapes = {
-        shape for p in model.parameters() for shape in (tuple(local(p).shape), tuple(local(p).shape)[::-1])
+        shape
+        for p in model.parameters()
+        for shape in (tuple(local(p).shape), tuple(local(p).shape)[::-1], transposed(tuple(local(p).shape)))
     }
     kept: dict[object, int] = {}
 

@@ -15,18 +15,29 @@ from trainer.plan.activations import Shape, layer_bytes
 from trainer.plan.layout import Layout
 from trainer.plan.memory import layer_tensors
 
-LAYOUTS = [
-    (tp, sequence_parallel, recompute, precision, "swiglu")
-    for (tp, sequence_parallel), recompute, precision in itertools.product(
-        [(1, False), (2, False), (2, True)], ["none", "selective", "full"], ["fp32", "bf16"]
-    )
-] + [
-    # GPT-3's GELU block keeps its own tensors where the MLP keeps any (not under full recompute).
-    (tp, sequence_parallel, recompute, precision, "gelu")
-    for (tp, sequence_parallel), recompute, precision in itertools.product(
-        [(1, False), (2, True)], ["none", "selective"], ["fp32", "bf16"]
-    )
-]
+LAYOUTS = (
+    [
+        (tp, sequence_parallel, recompute, precision, "swiglu")
+        for (tp, sequence_parallel), recompute, precision in itertools.product(
+            [(1, False), (2, False), (2, True)], ["none", "selective", "full"], ["fp32", "bf16"]
+        )
+    ]
+    + [
+        # GPT-3's GELU block keeps its own tensors where the MLP keeps any (not under full recompute).
+        (tp, sequence_parallel, recompute, precision, "gelu")
+        for (tp, sequence_parallel), recompute, precision in itertools.product(
+            [(1, False), (2, True)], ["none", "selective"], ["fp32", "bf16"]
+        )
+    ]
+    + [
+        # A mixture of experts keeps its routing (choices, gates, dispatched tokens, what comes back, the indices that
+        # sort them) besides its experts' products; a shared expert adds a dense block's.
+        (1, False, recompute, precision, mixture)
+        for recompute, precision, mixture in itertools.product(
+            ["none", "selective", "full"], ["fp32", "bf16"], ["moe", "moe_shared"]
+        )
+    ]
+)
 
 
 @pytest.fixture(scope="module")

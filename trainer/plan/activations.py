@@ -98,7 +98,11 @@ def loom_layer(
     sbh, e, m = s * b * h, activation_bytes, matmul_input_bytes
     r = residual_bytes or e
     qkv_copies = 3 if autocast else 1
-    mlp_copies = (2 if model.mlp == "swiglu" else 1) if autocast else 1
+    dense_copies = 2 if model.mlp == "swiglu" else 1
+    if model.experts > 1:
+        # The router casts for itself; the experts get the dispatched tokens; a shared expert casts as a dense block.
+        dense_copies = 1 + (dense_copies if model.moe.shared_expert else 0)
+    mlp_copies = dense_copies if autocast else 1
     tensors = [
         *norm_tensors("attention", sbh, r, fused_kernels),
         SavedTensor("norm statistics (fp32)", "2sb", 2 * s * b, 4, False, True, UNLESS_FULL),
@@ -134,11 +138,7 @@ def loom_layer(
         ),
     ]
     if model.experts > 1:
-        tensors.append(
-            SavedTensor("router probabilities (fp32)", "sbE", s * b * model.experts, 4, False, False, UNLESS_FULL)
-        )
-        dispatched = model.top_k * sbh
-        tensors.append(SavedTensor("tokens dispatched to experts", "k·sbh", dispatched, m, False, False, UNLESS_FULL))
+        tensors += routing_tensors(model, s, b, m)
     if model.mlp == "swiglu" and fused_kernels:
         tensors.append(
             SavedTensor("gate and up projections", "2·k·sbf", 2 * k * s * b * f, e, True, False, UNLESS_FULL)
@@ -151,6 +151,41 @@ def loom_layer(
         tensors.append(SavedTensor("GELU input", "k·sbf", k * s * b * f, e, True, False, UNLESS_FULL))
     tensors.append(SavedTensor("down-projection input", "k·sbf", k * s * b * f, m, True, False, UNLESS_FULL))
     tensors.append(SavedTensor("block input, kept for recompute", "sbh", sbh, r, False, True, ONLY_FULL))
+    return tensors
+
+
+def routing_tensors(model: ModelConfig, s: int, b: int, matmul_input_bytes: float) -> list[SavedTensor]:
+    """What trainer/moe.py keeps of routing s·b tokens to top_k of E experts (dropless; a capacity drops some and
+    keeps its own counts): the router's probabilities, choices and renormalised gates, the tokens dispatched to
+    the experts and what comes back, which the gates weight in one batched product, the indices that sort the
+    copies by expert and back, the grouped products' offsets, and the balance loss's per-sequence totals."""
+    k, experts, sb, m = model.top_k, model.experts, s * b, matmul_input_bytes
+    copies = k * sb
+    products = 3 if model.mlp == "swiglu" else 2
+
+    def kept(name: str, symbol: str, elements: float, nbytes: float) -> SavedTensor:
+        return SavedTensor(name, symbol, elements, nbytes, False, False, UNLESS_FULL)
+
+    tensors = [
+        kept("router probabilities (fp32)", "sbE", sb * experts, 4),
+        kept("router's ranking of the experts (int64; the choices are its first k)", "sbE", sb * experts, 8),
+        kept("tokens dispatched to experts", "k·sbh", copies * model.dim, m),
+        kept("expert outputs, for the gates' gradient", "k·sbh", copies * model.dim, m),
+        kept("gates of the batched combine", "k·sb", copies, m),
+        kept("dispatch and combine indices (int64)", "2·k·sb", 2 * copies, 8),
+        kept("grouped products' offsets (int32)", f"{products}E", products * experts, 4),
+    ]
+    if model.moe.renormalize:
+        tensors.append(kept("gates and their sums, for renormalising (fp32)", "k·sb + sb", copies + sb, 4))
+    if model.moe.balance_loss > 0:
+        tensors.append(
+            kept(
+                "balance loss: affinity sums and sequence totals (fp32)",
+                "sb + 2b + 5bE",
+                sb + 2 * b + 5 * b * experts,
+                4,
+            )
+        )
     return tensors
 
 
