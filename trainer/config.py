@@ -900,8 +900,9 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
             "the trainer ties embedding and output within one pipeline stage only; use pp 1 or false",
         ),
         "model.experts": (
-            model.experts > 1 and parallel.tp > 1,
-            "the trainer runs mixture-of-experts models without tensor parallelism so far; use tp 1",
+            model.experts > 1 and parallel.tp > 1 and parallel.ep > 1,
+            "the trainer runs a mixture of experts with tensor or expert parallelism, not both so far; use tp 1 "
+            "or ep 1",
         ),
         "parallel.ep": (
             parallel.ep > 1 and parallel.sharding_ranks % parallel.ep != 0,
@@ -979,6 +980,8 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
         sequence_splits.append((2 * parallel.cp, f"2 × cp = {2 * parallel.cp} load-balanced chunks"))
     if parallel.tp > 1 and parallel.sequence_parallel:
         sequence_splits.append((parallel.tp, f"tp = {parallel.tp} sequence-parallel shards"))
+    elif parallel.tp > 1 and model.experts > 1:
+        sequence_splits.append((parallel.tp, f"tp = {parallel.tp} shards the experts' router takes"))
     split = math.prod(size for size, _ in sequence_splits)
     if model.seq_len % split:
         reasons = " × ".join(reason for _, reason in sequence_splits)

@@ -12,7 +12,8 @@ the backward pass (the training loss stays the language-model loss), and optiona
 bias, which shifts which experts are chosen towards equal load.
 
 No parallelism lives here. Expert parallelism replaces `dispatch` (tokens travel to the ranks holding their
-experts and back); context parallelism replaces `whole_sequences` (a sequence's totals add up over its ranks).
+experts and back); context and tensor parallelism replace `whole_sequences` (a sequence's totals add up over its
+ranks); tensor parallelism also `gather_sequence` and `reduce_sequence` (the experts' slices take every token).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from trainer.config import ModelConfig
 from trainer.dense import dense_feed_forward
@@ -46,7 +47,7 @@ class Router(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens [N, dim] -> (probabilities [N, E] fp32, chosen experts [N, k], gates [N, k] fp32)."""
-        scores = F.linear(tokens, self.weight.to(tokens.dtype)).float()
+        scores = F.linear(tokens, _local(self.weight).to(tokens.dtype)).float()
         probabilities = scores.softmax(dim=-1) if self.gate == "softmax" else scores.sigmoid()
         preference = probabilities.detach() + self.expert_bias
         chosen = preference.sort(dim=-1, descending=True, stable=True).indices[:, : self.top_k]
@@ -103,8 +104,12 @@ class GroupedExperts(nn.Module):
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
-    # Expert parallelism holds the experts as a DTensor split over its ranks; the rows here are for this rank's.
-    return weight.to_local() if isinstance(weight, DTensor) else weight
+    """This rank's part of a weight the parallel code holds as a DTensor: expert parallelism splits the experts over
+    its ranks, tensor parallelism their hidden columns and replicates the router. A replicated weight here only
+    ever computes on this rank's share of the tokens, so its gradient is a partial sum over the ranks."""
+    if not isinstance(weight, DTensor):
+        return weight
+    return weight.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in weight.placements])
 
 
 class _BalanceLossGradient(torch.autograd.Function):
@@ -145,6 +150,13 @@ class MoEFeedForward(nn.Module):
         self.dispatch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # Adds up per-sequence totals [B, …] over the ranks that hold parts of the same sequences.
         self.whole_sequences: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+        # Under tensor parallelism this rank holds part of every sequence and a slice of every expert: the router
+        # runs on its own tokens, the experts on all of them. gather_sequence joins the ranks' parts [B, T_part, …]
+        # into [B, T, …]; reduce_sequence adds up the ranks' partial outputs [B, T, dim] and keeps this rank's part.
+        self.gather_sequence: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+        self.reduce_sequence: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+        # Ranks that compute the same balance loss and add up its gradients (tensor parallelism's).
+        self.balance_loss_copies = 1
         # What the balance loss counts for in this pass (the step sets 1/passes, like the language-model loss's).
         self.balance_loss_scale = 1.0
         self.counting = True
@@ -154,17 +166,21 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, dim = x.shape
-        tokens = x.reshape(-1, dim)
-        probabilities, chosen, gates = self.router(tokens)
-        copies = chosen.flatten()
+        probabilities, chosen, gates = self.router(x.reshape(-1, dim))
+        tokens = self.gather_sequence(x).reshape(-1, dim)
+        whole_chosen = self.gather_sequence(chosen.view(batch, seq_len, -1))
+        whole_len = whole_chosen.shape[1]
+        whole_gates = self.gather_sequence(gates.view(batch, seq_len, -1)).reshape(-1, self.top_k)
+        copies = whole_chosen.flatten()
         order = copies.argsort(stable=True)
         if self.settings.capacity_factor is not None:
-            kept = self._within_capacity(chosen.reshape(batch, -1), seq_len).flatten()
+            kept = self._within_capacity(whole_chosen.reshape(batch, -1), whole_len).flatten()
             order = order[kept[order]]
         counts = torch.bincount(copies[order], minlength=self.experts_count)
         dtype = compute_dtype(tokens)
         outputs = (self.dispatch or self.experts)(tokens[order // self.top_k].to(dtype), counts)
-        combined = self._combine(outputs, order, gates.to(dtype)).view(batch, seq_len, dim)
+        combined = self._combine(outputs, order, whole_gates.to(dtype)).view(batch, whole_len, dim)
+        combined = self.reduce_sequence(combined)
         if self.shared is not None:
             combined = combined + self.shared(x)
         # Training forwards only: not evaluation, and not a forward activation checkpointing reruns in backward.
@@ -175,7 +191,7 @@ class MoEFeedForward(nn.Module):
             balance = self._balance_loss(probabilities.view(batch, seq_len, -1), chosen.reshape(batch, -1))
             if counts_this_pass:
                 self.balance_losses.append(balance.detach())
-            weight = self.settings.balance_loss * self.balance_loss_scale
+            weight = self.settings.balance_loss * self.balance_loss_scale / self.balance_loss_copies
             combined = _BalanceLossGradient.apply(combined, balance * weight)
         return combined
 

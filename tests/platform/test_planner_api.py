@@ -316,8 +316,9 @@ def test_a_run_with_a_bad_cluster_is_refused_and_nothing_is_stored(client, token
 
 
 def test_a_run_the_trainer_cannot_run_is_refused_even_though_the_planner_estimates_it(client, token):
-    # Mixture of experts under tensor parallelism: the planner prices it, the trainer does not run it yet.
-    config = {**TINY_CONFIG, "model": {**TINY_CONFIG["model"], "experts": 4, "top_k": 2}, "parallel": {"tp": 2}}
+    # Mixture of experts under tensor and expert parallelism: the planner prices it, the trainer does not run it yet.
+    model = {**TINY_CONFIG["model"], "experts": 4, "top_k": 2}
+    config = {**TINY_CONFIG, "model": model, "parallel": {"tp": 2, "dp_shard": 2, "ep": 2}}
     assert post(client, "/api/plan/estimate", {"config": config, "cluster": ONE_H100_NODE}, token).status_code == 200
     errors = field_errors(post(client, "/api/runs", {"name": "moe", "config": config, "cluster": ONE_H100_NODE}, token))
     assert "config.model.experts" in errors

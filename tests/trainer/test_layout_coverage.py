@@ -67,9 +67,10 @@ def test_every_runnable_kind_of_layout_has_a_layout_in_the_equivalence_matrix():
 
 
 # A mixture-of-experts layout adds its own branches to the dense ones: expert parallelism, experts sharded by FSDP
-# beyond it or replicated across HSDP's replicas, context parallelism adding up a sequence's routing totals and
-# pipeline stages keeping their shape inference out of the expert load. Each is a hook of its own, so the matrix
-# covers every pair of them (and of the data-parallel path) that the validator accepts together.
+# beyond it or replicated across HSDP's replicas, context parallelism adding up a sequence's routing totals,
+# pipeline stages keeping their shape inference out of the expert load and tensor parallelism splitting the experts'
+# columns (routing each rank's part of the sequences, with or without sequence parallelism). Each is a hook of its
+# own, so the matrix covers every pair of them (and of the data-parallel path) that the validator accepts together.
 MOE_MODEL = {**ROOMY_MODEL, **MODEL_VARIANTS["moe"], "experts": 8}
 
 
@@ -81,15 +82,16 @@ def moe_features(parallel: ParallelConfig) -> frozenset[str]:
         "experts replicated": experts_split and parallel.dp_replicate > 1,
         "cp": parallel.cp > 1,
         "pp": parallel.pp > 1,
+        "tp": parallel.tp > 1,
     }
     return frozenset({name for name, present in features.items() if present} | {parallel.data_parallel_path})
 
 
 def runnable_moe_layouts() -> list[ParallelConfig]:
-    dims = ("dp_replicate", "dp_shard", "pp", "cp", "ep")
+    dims = ("dp_replicate", "dp_shard", "pp", "cp", "tp", "ep")
     accepted = []
-    for degrees in itertools.product(DEGREES, repeat=len(dims)):
-        parallel = dict(zip(dims, degrees, strict=True))
+    for degrees, sequence_parallel in itertools.product(itertools.product(DEGREES, repeat=len(dims)), (True, False)):
+        parallel = dict(zip(dims, degrees, strict=True), sequence_parallel=sequence_parallel)
         if math.prod(degrees[:-1]) > MAX_WORLD_SIZE:
             continue
         if parallel["pp"] > 1:
@@ -126,3 +128,12 @@ def test_zero_1_and_2_run_in_the_matrix_with_and_without_pipeline_stages_and_acc
     assert all(config.accumulation_steps > 1 for config in configs)
     covered = {(config.parallel.zero, config.parallel.pp > 1) for config in configs}
     assert covered >= {(zero, staged) for zero in (1, 2) for staged in (False, True)}
+
+
+def test_a_mixture_of_experts_runs_in_the_matrix_under_tensor_parallelism_with_and_without_sequence_parallel():
+    tensor_parallel = [
+        parse_config(with_model(LAYOUTS.get(name) or EXPERT_LAYOUTS[name], "moe")).parallel
+        for variant, name in VARIANT_LAYOUTS
+        if variant == "moe"
+    ]
+    assert {parallel.sequence_parallel for parallel in tensor_parallel if parallel.tp > 1} == {True, False}

@@ -198,6 +198,10 @@ VARIANT_LAYOUTS = [
     ("tied", "cp2"),
     ("moe", "ddp2"),
     ("moe", "pp2_1f1b"),
+    ("moe", "tp2_no_sp"),
+    ("moe", "dp2xtp2"),
+    ("moe", "ddp2xtp2"),
+    ("moe", "pp2xtp2xcp2"),
     *[("moe", name) for name in EXPERT_LAYOUTS],
 ]
 

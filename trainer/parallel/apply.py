@@ -28,6 +28,7 @@ from .float8 import apply_float8
 from .local_kernels import on_local_shards
 from .loss import tensor_parallel_cross_entropy
 from .mesh import ParallelMesh
+from .moe_tensor import add_up_sequence_parts
 from .pipeline import build_schedule, forward_only, gradients_reduced, split_model
 from .tensor import apply_tensor_parallel
 
@@ -78,6 +79,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             apply_tensor_parallel(part, mesh["tp"], parallel.sequence_parallel, parallel.loss_parallel)
         if parallel.cp > 1:
             positions = apply_context_parallel(part, mesh["cp"]).to(device)
+        if parallel.cp * parallel.tp > 1:
+            add_up_sequence_parts(part, mesh["cp_tp"])
         if mesh.experts is not None:
             apply_expert_parallel(part, mesh.experts)
         recompute_and_compile(part, config.compute, parallel.tp > 1)

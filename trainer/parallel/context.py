@@ -11,11 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.nn.functional import all_reduce
 
 from trainer.model import Transformer
-
-from .expert import moe_blocks
 
 
 def load_balanced_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -53,17 +50,4 @@ def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> torch.Ten
     model.register_buffer("rope_sin", model.rope_sin[positions], persistent=False)
     for block in model.blocks.values():
         block.attention.attend = attention
-    for moe in moe_blocks(model):
-        moe.whole_sequences = SequenceTotals(cp_mesh)
     return attention.local_positions
-
-
-class SequenceTotals:
-    """MoEFeedForward.whole_sequences under context parallelism: each cp rank holds part of every sequence, so a
-    sequence's totals are the sum over the cp ranks (and so are their gradients)."""
-
-    def __init__(self, cp_mesh: DeviceMesh):
-        self.group = cp_mesh.get_group()
-
-    def __call__(self, totals: torch.Tensor) -> torch.Tensor:
-        return all_reduce(totals, group=self.group)

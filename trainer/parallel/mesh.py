@@ -16,8 +16,9 @@ class ParallelMesh:
     """Validates the degrees against the launch, builds the DeviceMesh, and hands out submeshes.
 
     Derived dims: "dp" (dp_replicate × dp_shard: ranks that see different data), "dp_shard_cp"
-    (the ranks FSDP shards over: context-parallel ranks hold the same parameters, so they shard too) and
-    "dp_cp" (every rank that sees different tokens).
+    (the ranks FSDP shards over: context-parallel ranks hold the same parameters, so they shard too),
+    "dp_cp" (every rank that sees different tokens) and "cp_tp" (the ranks that hold parts of the same sequences
+    in a mixture of experts' router).
 
     With expert parallelism, `experts` is the same dp_replicate × dp_shard × cp ranks as a mesh of their own:
     "expert_replicate" (dp_replicate), "expert_shard" and innermost "ep", whose ranks hold different experts;
@@ -36,6 +37,7 @@ class ParallelMesh:
         self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         data_ranks = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        self.mesh["cp", "tp"]._flatten("cp_tp")
         self.experts: DeviceMesh | None = None
         if parallel.ep > 1:
             self.experts = data_ranks._unflatten(

@@ -14,6 +14,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainer.model import Transformer
+from trainer.moe import MoEFeedForward
+
+from .moe_tensor import apply_moe_tensor_parallel
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool):
@@ -45,12 +48,15 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=between_blocks),
-            "mlp": PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),)),
-            "mlp.w1": ColwiseParallel(),
-            "mlp.w2": RowwiseParallel(output_layouts=between_blocks),
         }
-        if hasattr(block.mlp, "w3"):
-            plan["mlp.w3"] = ColwiseParallel()
+        if isinstance(block.mlp, MoEFeedForward):
+            apply_moe_tensor_parallel(block.mlp, tp_mesh, between_blocks)
+        else:
+            plan["mlp"] = PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),))
+            plan["mlp.w1"] = ColwiseParallel()
+            plan["mlp.w2"] = RowwiseParallel(output_layouts=between_blocks)
+            if hasattr(block.mlp, "w3"):
+                plan["mlp.w3"] = ColwiseParallel()
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["mlp_norm"] = SequenceParallel()

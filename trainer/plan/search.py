@@ -63,7 +63,7 @@ JSON (`SearchResult.to_json()`):
     entry = {"rank": place in "results" (1 = fastest), or null for a frontier point outside them,
              "config": the full run-config document, defaults filled in (what "Launch" sends),
              "summary": "tp8 pp4 Interleaved1F1B×2 m8 dp_shard2 selective",
-             "runnable": whether loom's trainer runs it today (ZeRO-1/2, fp8 and MoE it only plans),
+             "runnable": whether loom's trainer runs it today (some of fp8 and MoE it only plans),
              "tokens_per_s", "mfu", "step_s", "peak_bytes" (what the allocator holds on the fullest GPU),
              "bubble_fraction"}
 """
@@ -422,8 +422,9 @@ class SearchSpace:
                 for reshard in ((True, False) if zero == 3 else (True,))
                 for ep in expert_degrees
             ]
-            tensor_valid = self._accepts({"tp": tp, "sequence_parallel": tp > 1, "cp": cp})
-            valid = [choice for choice in tried if tensor_valid and self._accepts({"cp": cp, **choice._asdict()})]
+            tensor = {"tp": tp, "sequence_parallel": tp > 1, "cp": cp}
+            # With tp, since the trainer runs a mixture of experts under tensor or expert parallelism, not both.
+            valid = [choice for choice in tried if self._accepts(tensor) and self._accepts(tensor | choice._asdict())]
             self._data_choices[key] = (len(tried), valid)
         return self._data_choices[key]
 
