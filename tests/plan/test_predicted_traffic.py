@@ -87,3 +87,26 @@ def test_an_expert_parallel_runs_traffic_is_what_the_planner_predicts(kind, pair
     for source, destination in talking:
         nbytes = measured[source][destination]
         assert abs(predicted[source][destination] - nbytes) <= 0.1 * nbytes, (source, destination, nbytes)
+
+
+# A mixture of experts under tensor parallelism gathers every rank's routing and runs its slice of the experts on
+# every token: with sequence parallelism beside a shared expert (a dense block's collectives of its own), without
+# it taking its part of the sequence in and giving the whole back.
+@pytest.fixture(scope="module", params=[True, False], ids=["sequence_parallel", "no_sequence_parallel"])
+def tensor_parallel_experts_run(request, tmp_path_factory):
+    document = {
+        **HYBRID_RUN,
+        "model": {**HYBRID_RUN["model"], "experts": 4, "top_k": 2, "moe": {"shared_expert": request.param}},
+        "parallel": {"tp": 2, "sequence_parallel": request.param},
+    }
+    run = run_trainer(tmp_path_factory.mktemp("tensor-parallel-experts"), document)
+    assert run.returncode == 0, run.output[-4000:]
+    return document, run.traffic_per_step(("tp",), after_step=1, steps=STEPS)["tp"]
+
+
+def test_a_tensor_parallel_mixture_of_experts_moves_what_the_planner_predicts(tensor_parallel_experts_run):
+    document, measured = tensor_parallel_experts_run
+    predicted = predicted_matrix(parse_config(document)).by_kind["tp"]
+    for source, destination in ((0, 1), (1, 0)):
+        nbytes = measured[source][destination]
+        assert abs(predicted[source][destination] - nbytes) <= 0.1 * nbytes, (source, destination, nbytes)

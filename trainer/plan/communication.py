@@ -177,7 +177,11 @@ def step_traffic(
         # (forward: gather in, scatter out; backward the reverse). Recompute repeats the forward ones;
         # the embedding and the output add one each way. Megatron hides the backward ones (`expose`).
         ends = (1 if holds_embedding else 0) + (1 if holds_output else 0)
-        everything = m * (rank_layers * (4 + 2 * repeats) + ends)
+        per_block = 4 + 2 * repeats
+        if moe_reduces_its_own(layout):
+            # Only attention all-reduces, forward, backward and once more if recomputed.
+            per_block = 2 + (2 * repeats - (1 if recompute == "full" else 0))
+        everything = m * (rank_layers * per_block + ends)
         backward = m * rank_layers * 2 if layout.runtime == "megatron" else 0
         if parallel.sequence_parallel:
             for op, note in (
@@ -204,6 +208,9 @@ def step_traffic(
                 "before q/k/v and w1/w3 backward, beside the weight gradients",
                 overlapped=True,
             )
+    if parallel.tp > 1 and model.experts > 1 and layout.runtime == "loom":
+        for op, buffer, calls, note in moe_tensor_parallel_collectives(layout, sbh, recompute == "full"):
+            add("tp", op, "tp", buffer, m * rank_layers * calls, note)
     if parallel.cp > 1:
         head_dim = model.dim // model.heads
         kv = 2 * model.seq_len * layout.micro_seqs * model.kv_heads * head_dim / parallel.tp * e
@@ -219,6 +226,42 @@ def step_traffic(
         add("pp", "send", "pp", message, 2 * m * layout.stages_per_rank, "activations forward, gradients backward")
     time_traffic(traffic, cluster)
     return traffic
+
+
+def moe_reduces_its_own(layout: Layout) -> bool:
+    """Whether loom's mixture-of-experts block does its own tensor-parallel collectives in place of the dense MLP's
+    all-reduces: without sequence parallelism (with it, its routed experts move what a dense MLP moves)."""
+    parallel = layout.parallel
+    return layout.runtime == "loom" and layout.model.experts > 1 and parallel.tp > 1 and not parallel.sequence_parallel
+
+
+def moe_tensor_parallel_collectives(
+    layout: Layout, sbh: float, full_recompute: bool
+) -> list[tuple[str, float, float, str]]:
+    """(op, buffer bytes, calls per block, note) that loom's mixture-of-experts block adds under tensor parallelism
+    (trainer/parallel/moe_tensor.py) to what a dense block's MLP moves, which its routed experts move too under
+    sequence parallelism. Without it the block first takes its part of the sequence and gives the whole back, so
+    its experts' reductions are gathers and scatters where a dense MLP all-reduces. Full recompute repeats the
+    forward ones."""
+    model = layout.model
+    routed = layout.local_seq * layout.micro_seqs * model.top_k
+    again = 1 if full_recompute else 0
+    collectives = [
+        ("all_gather", routed * 8, 1 + again, "MoE: every rank's routing choices"),
+        ("all_gather", routed * 4, 1 + again, "MoE: every rank's gates (fp32)"),
+        ("reduce_scatter", routed * 4, 1, "MoE: the gates' gradients back to the ranks that routed them"),
+    ]
+    if model.moe.shared_expert:
+        collectives += [
+            ("all_gather", sbh, 2 + again, "MoE shared expert: into w1/w3, and its gradient backward"),
+            ("reduce_scatter", sbh, 2 + again, "MoE shared expert: out of w2, and its input's gradient backward"),
+        ]
+    if moe_reduces_its_own(layout):
+        collectives += [
+            ("all_gather", sbh, 4 + 2 * again, "MoE: the sequence into the experts, their output whole, both ways"),
+            ("reduce_scatter", sbh, 2 + again, "MoE: the experts' partial outputs, and their inputs' gradients"),
+        ]
+    return collectives
 
 
 def time_traffic(traffic: list[Traffic], cluster: ClusterSpec) -> None:
