@@ -72,6 +72,15 @@ def transposed(shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[:-2] + shape[-2:][::-1]
 
 
+def weight_copy_shapes(shape: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """The shapes a weight's autocast copy is saved in: as it is, transposed as a linear layer or a grouped product
+    saves it, and, of stacked experts, one expert's slice (as a loop over experts saves it)."""
+    shapes = {shape, shape[::-1], transposed(shape)}
+    if len(shape) == 3:
+        shapes |= {shape[1:], shape[1:][::-1]}
+    return shapes
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
@@ -89,11 +98,7 @@ def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str,
     apply_recompute(model, config.compute)
     parameters = {storage_key(parameter)[0] for parameter in model.parameters()}
     # A weight's autocast copy, or its transpose as a linear layer (or, of stacked experts, a grouped product) saves it.
-    weight_shapes = {
-        shape
-        for p in model.parameters()
-        for shape in (tuple(local(p).shape), tuple(local(p).shape)[::-1], transposed(tuple(local(p).shape)))
-    }
+    weight_shapes = {shape for p in model.parameters() for shape in weight_copy_shapes(tuple(local(p).shape))}
     kept: dict[object, int] = {}
 
     def keep(tensor: torch.Tensor) -> None:

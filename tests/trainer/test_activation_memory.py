@@ -31,10 +31,17 @@ LAYOUTS = (
     ]
     + [
         # A mixture of experts keeps its routing (choices, gates, dispatched tokens, what comes back, the indices that
-        # sort them) besides its experts' products; a shared expert adds a dense block's.
+        # sort them) besides its experts' products; a shared expert adds a dense block's. Under tensor parallelism
+        # the router keeps its part of the sequence, the experts their columns of every token.
         (1, False, recompute, precision, mixture)
         for recompute, precision, mixture in itertools.product(
             ["none", "selective", "full"], ["fp32", "bf16"], ["moe", "moe_shared"]
+        )
+    ]
+    + [
+        (2, sequence_parallel, recompute, precision, mixture)
+        for sequence_parallel, recompute, precision, mixture in itertools.product(
+            [True, False], ["none", "selective"], ["fp32", "bf16"], ["moe", "moe_shared"]
         )
     ]
 )

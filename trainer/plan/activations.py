@@ -87,6 +87,7 @@ def loom_layer(
     fused_kernels: bool = True,
     residual_bytes: float | None = None,
     autocast: bool = False,
+    tp: int = 1,
 ) -> list[SavedTensor]:
     """One block of trainer/model.py. Keys and values are gathered over the whole sequence under
     context parallelism (gathered_seq = seq_len), so those two terms do not shrink with cp.
@@ -98,11 +99,7 @@ def loom_layer(
     sbh, e, m = s * b * h, activation_bytes, matmul_input_bytes
     r = residual_bytes or e
     qkv_copies = 3 if autocast else 1
-    dense_copies = 2 if model.mlp == "swiglu" else 1
-    if model.experts > 1:
-        # The router casts for itself; the experts get the dispatched tokens; a shared expert casts as a dense block.
-        dense_copies = 1 + (dense_copies if model.moe.shared_expert else 0)
-    mlp_copies = dense_copies if autocast else 1
+    mlp_copies = (2 if model.mlp == "swiglu" else 1) if autocast else 1
     tensors = [
         *norm_tensors("attention", sbh, r, fused_kernels),
         SavedTensor("norm statistics (fp32)", "2sb", 2 * s * b, 4, False, True, UNLESS_FULL),
@@ -125,20 +122,21 @@ def loom_layer(
     ]
     if m != e:
         tensors.append(SavedTensor("output-projection input (cast)", "sbh", sbh, m, True, False, UNLESS_RECOMPUTED))
-    tensors += [
-        *norm_tensors("MLP", sbh, r, fused_kernels),
-        SavedTensor(
-            "MLP input" + (" (a cast each)" if autocast else ""),
-            f"{mlp_copies}·sbh" if autocast else "sbh",
-            mlp_copies * sbh,
-            m,
-            False,
-            False,
-            UNLESS_FULL,
-        ),
-    ]
+    tensors += norm_tensors("MLP", sbh, r, fused_kernels)
     if model.experts > 1:
-        tensors += routing_tensors(model, s, b, m)
+        tensors += routing_tensors(model, s, b, m, autocast, tp)
+    else:
+        tensors.append(
+            SavedTensor(
+                "MLP input" + (" (a cast each)" if autocast else ""),
+                f"{mlp_copies}·sbh" if autocast else "sbh",
+                mlp_copies * sbh,
+                m,
+                False,
+                False,
+                UNLESS_FULL,
+            )
+        )
     if model.mlp == "swiglu" and fused_kernels:
         tensors.append(
             SavedTensor("gate and up projections", "2·k·sbf", 2 * k * s * b * f, e, True, False, UNLESS_FULL)
@@ -154,38 +152,52 @@ def loom_layer(
     return tensors
 
 
-def routing_tensors(model: ModelConfig, s: int, b: int, matmul_input_bytes: float) -> list[SavedTensor]:
+def routing_tensors(
+    model: ModelConfig, s: int, b: int, matmul_input_bytes: float, autocast: bool, tp: int
+) -> list[SavedTensor]:
     """What trainer/moe.py keeps of routing s·b tokens to top_k of E experts (dropless; a capacity drops some and
-    keeps its own counts): the router's probabilities, choices and renormalised gates, the tokens dispatched to
-    the experts and what comes back, which the gates weight in one batched product, the indices that sort the
-    copies by expert and back, the grouped products' offsets, and the balance loss's per-sequence totals."""
+    keeps its own counts): the router's input, probabilities, choices and renormalised gates, the tokens dispatched
+    to the experts and what comes back, which the gates weight in one batched product, the indices that sort the
+    copies by expert and back, the grouped products' offsets, and the balance loss's per-sequence totals.
+
+    Under tensor parallelism the router takes the rank's part of the sequence (what it keeps is split over tp),
+    the experts every token; a shared expert takes the gathered sequence as a dense block does. Without it the
+    router and a shared expert read one input, which autocast casts once for each linear layer."""
     k, experts, sb, m = model.top_k, model.experts, s * b, matmul_input_bytes
     copies = k * sb
     products = 3 if model.mlp == "swiglu" else 2
+    shared_reads = (products - 1 if autocast else 1) if model.moe.shared_expert else 0
 
-    def kept(name: str, symbol: str, elements: float, nbytes: float) -> SavedTensor:
-        return SavedTensor(name, symbol, elements, nbytes, False, False, UNLESS_FULL)
+    def kept(name: str, symbol: str, elements: float, nbytes: float, router_side: bool = False) -> SavedTensor:
+        return SavedTensor(name, symbol, elements, nbytes, router_side, False, UNLESS_FULL)
 
-    tensors = [
-        kept("router probabilities (fp32)", "sbE", sb * experts, 4),
-        kept("router's ranking of the experts (int64; the choices are its first k)", "sbE", sb * experts, 8),
+    if tp > 1:
+        tensors = [kept("router input", "sbh", sb * model.dim, m, router_side=True)]
+        if shared_reads:
+            tensors.append(
+                kept("shared expert input, gathered", f"{shared_reads}·sbh", shared_reads * sb * model.dim, m)
+            )
+    else:
+        reads = 1 + shared_reads if autocast else 1
+        tensors = [
+            kept("MoE input" + (" (a cast each)" if autocast else ""), f"{reads}·sbh", reads * sb * model.dim, m)
+        ]
+    tensors += [
+        kept("router probabilities (fp32)", "sbE", sb * experts, 4, router_side=True),
+        kept("router's ranking of the experts (int64; the choices its first k)", "sbE", sb * experts, 8, True),
         kept("tokens dispatched to experts", "k·sbh", copies * model.dim, m),
         kept("expert outputs, for the gates' gradient", "k·sbh", copies * model.dim, m),
         kept("gates of the batched combine", "k·sb", copies, m),
         kept("dispatch and combine indices (int64)", "2·k·sb", 2 * copies, 8),
-        kept("grouped products' offsets (int32)", f"{products}E", products * experts, 4),
     ]
+    # torch._grouped_mm takes rows and weights 16-byte aligned; the trainer loops over the experts otherwise.
+    if (model.dim * m) % 16 == 0 and (model.ffn // tp * m) % 16 == 0:
+        tensors.append(kept("grouped products' offsets (int32)", f"{products}E", products * experts, 4))
     if model.moe.renormalize:
-        tensors.append(kept("gates and their sums, for renormalising (fp32)", "k·sb + sb", copies + sb, 4))
+        tensors.append(kept("gates and their sums, for renormalising (fp32)", "k·sb + sb", copies + sb, 4, True))
     if model.moe.balance_loss > 0:
-        tensors.append(
-            kept(
-                "balance loss: affinity sums and sequence totals (fp32)",
-                "sb + 2b + 5bE",
-                sb + 2 * b + 5 * b * experts,
-                4,
-            )
-        )
+        tensors.append(kept("balance loss: affinity sums (fp32)", "sb", sb, 4, router_side=True))
+        tensors.append(kept("balance loss: sequence totals (fp32)", "2b + 5bE", 2 * b + 5 * b * experts, 4))
     return tensors
 
 

@@ -267,6 +267,7 @@ def layer_tensors(layout: Layout, shape: Shape) -> list[SavedTensor]:
         layout.fused_kernels,
         layout.residual_bytes,
         layout.autocast,
+        layout.parallel.tp,
     )
 
 
