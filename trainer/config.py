@@ -876,7 +876,7 @@ def parse_config(document: Any, *, runnable: bool = True) -> RunConfig:
     """Validate a run-config document, raising ConfigError with field-level messages.
 
     runnable=False accepts layouts the planner can estimate but this trainer cannot run yet
-    (mixture of experts under tensor parallelism, offload, …); launching always checks runnable."""
+    (fp8 with experts or tensor parallelism, offload, …); launching always checks runnable."""
     if not isinstance(document, dict):
         raise ConfigError({"config": "must be a JSON object"})
     try:
@@ -898,11 +898,6 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
         "model.tie_embeddings": (
             model.tie_embeddings and parallel.pp > 1,
             "the trainer ties embedding and output within one pipeline stage only; use pp 1 or false",
-        ),
-        "model.experts": (
-            model.experts > 1 and parallel.tp > 1 and parallel.ep > 1,
-            "the trainer runs a mixture of experts with tensor or expert parallelism, not both so far; use tp 1 "
-            "or ep 1",
         ),
         "parallel.ep": (
             parallel.ep > 1 and parallel.sharding_ranks % parallel.ep != 0,

@@ -190,11 +190,11 @@ def test_invalid_plans_name_the_field(document, cluster, field):
 def test_the_planner_estimates_what_the_trainer_refuses_to_run():
     mixtral = {"model": {"preset": "mixtral-8x7b"}, "parallel": {"dp_shard": 8, "ep": 8}}
     assert estimate(mixtral, {"nodes": 1}).layout.model.experts == 8
-    document = {"model": {"experts": 8, "top_k": 2}, "parallel": {"tp": 2, "dp_shard": 2, "ep": 2}}
-    assert estimate(document, {"nodes": 1}).layout.parallel.ep == 2
+    document = {"model": {"experts": 8, "top_k": 2}, "compute": {"compile": True}}
+    assert estimate(document, {"nodes": 1}).layout.config.compute.compile
     with pytest.raises(ConfigError) as refused:
         parse_config(document)
-    assert "model.experts" in refused.value.errors
+    assert "compute.compile" in refused.value.errors
 
 
 def test_predicted_traffic_has_the_layout_structure():

@@ -110,3 +110,20 @@ def test_a_tensor_parallel_mixture_of_experts_moves_what_the_planner_predicts(te
     for source, destination in ((0, 1), (1, 0)):
         nbytes = measured[source][destination]
         assert abs(predicted[source][destination] - nbytes) <= 0.1 * nbytes, (source, destination, nbytes)
+
+
+def test_expert_parallelism_beside_tensor_parallelism_moves_what_the_planner_predicts(tmp_path):
+    """dp_shard 2 × tp 2 with ep 2: the all-to-alls between the tp ranks' counterparts carry every gathered token,
+    each expert's columns are reduced over the ranks that hold the same ones, and tp moves what a tensor-parallel
+    mixture of experts moves."""
+    document = {**EXPERT_RUN, "parallel": {"dp_shard": 2, "tp": 2, "ep": 2}}
+    run = run_trainer(tmp_path, document)
+    assert run.returncode == 0, run.output[-4000:]
+    measured = run.traffic_per_step(("ep", "dp", "tp"), after_step=1, steps=STEPS)
+    predicted = predicted_matrix(parse_config(document)).by_kind
+    for kind, matrix in measured.items():
+        talking = {(i, j) for i, row in enumerate(matrix) for j, nbytes in enumerate(row) if nbytes}
+        assert talking == {(i, j) for i, row in enumerate(predicted[kind]) for j, nbytes in enumerate(row) if nbytes}
+        for source, destination in talking:
+            nbytes = matrix[source][destination]
+            assert abs(predicted[kind][source][destination] - nbytes) <= 0.1 * nbytes, (kind, source, destination)

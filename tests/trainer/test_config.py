@@ -262,8 +262,11 @@ def test_fp8_runs_in_dense_models_without_tensor_parallelism():
 def test_a_mixture_of_experts_runs_where_the_trainer_splits_its_experts_and_is_refused_elsewhere():
     moe = {"model": {"layers": 2, "experts": 4, "top_k": 2}}
     assert parse_config({**moe, "parallel": {"dp_shard": 4, "cp": 2, "ep": 4}}).parallel.ep == 4
+    assert parse_config({**moe, "parallel": {"dp_shard": 2, "tp": 2, "ep": 2}}).parallel.tp == 2
+    # Tensor parallelism has the router take a part of each sequence, sequence parallel or not.
+    unsplittable = {"model": {**moe["model"], "seq_len": 255}, "parallel": {"tp": 2, "sequence_parallel": False}}
+    assert set(errors_of(unsplittable)) == {"model.seq_len"}
     refusals = [
-        ({"parallel": {"tp": 2}}, "model.experts"),
         ({"parallel": {"dp_replicate": 2, "ep": 2}}, "parallel.ep"),
         (
             {"parallel": {"cp": 2}, "model": {**moe["model"], "moe": {"capacity_factor": 1.5}}},

@@ -97,13 +97,14 @@ LAYOUTS = {
 }
 # Expert parallelism, for mixture-of-experts models only (MODEL_VARIANTS["moe"]): experts split over ep of the
 # ranks that shard the model; beside it, experts sharded by FSDP over the rest, replicated across HSDP's replicas,
-# context-parallel ranks holding parts of the same sequences and pipeline stages (test_layout_coverage: every pair
-# of those the validator accepts).
+# context-parallel ranks holding parts of the same sequences, pipeline stages and tensor parallelism splitting each
+# expert's columns (test_layout_coverage: every pair of those the validator accepts).
 EXPERT_LAYOUTS = {
-    "fsdp2_ep2": layout(2, dp_shard=2, ep=2),
     "hsdp2x2xcp2_ep2": layout(4, dp_replicate=2, dp_shard=2, cp=2, ep=2),
     "hsdp2x2xpp2_ep2": layout(4, dp_replicate=2, dp_shard=2, pp=2, ep=2, microbatches=2),
     "fsdp2xcp2xpp2_ep2": layout(2, dp_shard=2, cp=2, pp=2, ep=2, microbatches=2),
+    "hsdp2x2xtp2_ep2": layout(4, dp_replicate=2, dp_shard=2, tp=2, ep=2),
+    "fsdp2xcp2xtp2_ep2": layout(2, dp_shard=2, cp=2, tp=2, ep=2),
 }
 
 # ZeRO-1 and 2 on FSDP2 hold the parameters whole through a pass; only gradient accumulation tells them apart
@@ -199,8 +200,6 @@ VARIANT_LAYOUTS = [
     ("moe", "ddp2"),
     ("moe", "pp2_1f1b"),
     ("moe", "tp2_no_sp"),
-    ("moe", "dp2xtp2"),
-    ("moe", "ddp2xtp2"),
     ("moe", "pp2xtp2xcp2"),
     *[("moe", name) for name in EXPERT_LAYOUTS],
 ]

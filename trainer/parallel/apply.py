@@ -28,7 +28,7 @@ from .float8 import apply_float8
 from .local_kernels import on_local_shards
 from .loss import tensor_parallel_cross_entropy
 from .mesh import ParallelMesh
-from .moe_tensor import add_up_sequence_parts
+from .moe_tensor import add_up_sequence_parts, split_expert_columns
 from .pipeline import build_schedule, forward_only, gradients_reduced, split_model
 from .tensor import apply_tensor_parallel
 
@@ -83,6 +83,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             add_up_sequence_parts(part, mesh["cp_tp"])
         if mesh.experts is not None:
             apply_expert_parallel(part, mesh.experts)
+        elif parallel.tp > 1:
+            split_expert_columns(part, mesh["tp"])
         recompute_and_compile(part, config.compute, parallel.tp > 1)
         if parallel.fully_shards:
             apply_fsdp(part, mesh, parallel, param_dtype)

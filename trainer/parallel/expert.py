@@ -27,12 +27,21 @@ def moe_blocks(model: Transformer) -> list[MoEFeedForward]:
     return [block.mlp for block in model.blocks.values() if isinstance(block.mlp, MoEFeedForward)]
 
 
+# Each expert weight's dim that holds its hidden columns, which tensor parallelism splits: w1 and w3 are
+# [E, ffn, dim], w2 [E, dim, ffn].
+HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
+
+
 def apply_expert_parallel(model: Transformer, experts_mesh: DeviceMesh) -> None:
-    """Keep this rank's experts (a Shard(0) DTensor over "ep") and route tokens to the others' over all-to-alls."""
+    """Keep this rank's experts (a Shard(0) DTensor over "ep", and under tensor parallelism their columns split
+    over "tp" too) and route tokens to the others' over all-to-alls."""
     ep_mesh = experts_mesh["ep"]
+    split_columns = experts_mesh["tp"].size() > 1
+    mesh = experts_mesh["ep", "tp"] if split_columns else ep_mesh
     for moe in moe_blocks(model):
         for name, parameter in list(moe.experts.named_parameters()):
-            sharded = distribute_tensor(parameter.data, ep_mesh, [Shard(0)])
+            placements = [Shard(0), Shard(HIDDEN_DIM[name])] if split_columns else [Shard(0)]
+            sharded = distribute_tensor(parameter.data, mesh, placements)
             setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=parameter.requires_grad))
         moe.dispatch = AllToAllDispatch(moe.experts, ep_mesh)
 

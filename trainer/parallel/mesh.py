@@ -20,9 +20,10 @@ class ParallelMesh:
     "dp_cp" (every rank that sees different tokens) and "cp_tp" (the ranks that hold parts of the same sequences
     in a mixture of experts' router).
 
-    With expert parallelism, `experts` is the same dp_replicate × dp_shard × cp ranks as a mesh of their own:
-    "expert_replicate" (dp_replicate), "expert_shard" and innermost "ep", whose ranks hold different experts;
-    the ranks of expert_replicate × expert_shard hold the same ones, which FSDP shards over expert_shard.
+    With expert parallelism, `experts` is the same dp_replicate × dp_shard × cp ranks as dims of their own,
+    "expert_replicate" (dp_replicate), "expert_shard" and "ep", whose ranks hold different experts, beside "tp",
+    which splits each expert's columns; the ranks of expert_replicate × expert_shard hold the same ones, which FSDP
+    shards over expert_shard.
     """
 
     def __init__(self, parallel: ParallelConfig, world_size: int, device_type: str):
@@ -36,11 +37,11 @@ class ParallelMesh:
         self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        data_ranks = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         self.mesh["cp", "tp"]._flatten("cp_tp")
         self.experts: DeviceMesh | None = None
         if parallel.ep > 1:
-            self.experts = data_ranks._unflatten(
+            self.experts = self.mesh["dp_cp", "tp"]._unflatten(
                 0,
                 (parallel.dp_replicate, parallel.sharding_ranks // parallel.ep, parallel.ep),
                 EXPERT_DIMS,

@@ -31,16 +31,14 @@ from torch.distributed.tensor.parallel import (
 from trainer.model import Transformer
 from trainer.moe import MoEFeedForward
 
-from .expert import moe_blocks
+from .expert import HIDDEN_DIM, moe_blocks
 from .local_kernels import local_part
-
-# Each expert weight's dim that holds its hidden columns: w1 and w3 are [E, ffn, dim], w2 [E, dim, ffn].
-HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
 
 
 def apply_moe_tensor_parallel(moe: MoEFeedForward, tp_mesh: DeviceMesh, between_blocks: Placement) -> None:
-    """Split the block's experts over tp, replicate its router and hand it the sequence collectives; the block
-    takes and returns this rank's part of the sequence (a Shard(1) of the stream between blocks)."""
+    """Replicate the block's router, run its shared expert as a dense block and hand it the sequence collectives;
+    the block takes and returns this rank's part of the sequence (a Shard(1) of the stream between blocks). The
+    experts' columns are split apart (split_expert_columns, or with expert parallelism apply_expert_parallel)."""
     parts = PrepareModuleInputOutput(
         input_layouts=(between_blocks,),
         desired_input_layouts=(Shard(1),),
@@ -59,14 +57,20 @@ def apply_moe_tensor_parallel(moe: MoEFeedForward, tp_mesh: DeviceMesh, between_
         if hasattr(moe.shared, "w3"):
             plan["shared.w3"] = ColwiseParallel()
         parallelize_module(moe, tp_mesh, plan)
-    for name, parameter in list(moe.experts.named_parameters()):
-        split = distribute_tensor(parameter.data, tp_mesh, [Shard(HIDDEN_DIM[name])])
-        setattr(moe.experts, name, nn.Parameter(split, requires_grad=parameter.requires_grad))
     whole = distribute_tensor(moe.router.weight.data, tp_mesh, [Replicate()])
     moe.router.weight = nn.Parameter(whole, requires_grad=moe.router.weight.requires_grad)
     moe.gather_sequence = functools.partial(gather_sequence, mesh=tp_mesh)
     moe.reduce_sequence = functools.partial(reduce_sequence, mesh=tp_mesh)
     moe.balance_loss_copies = tp_mesh.size()
+
+
+def split_expert_columns(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Without expert parallelism (which splits them over ep and tp at once), each rank keeps its columns of every
+    expert."""
+    for moe in moe_blocks(model):
+        for name, parameter in list(moe.experts.named_parameters()):
+            split = distribute_tensor(parameter.data, tp_mesh, [Shard(HIDDEN_DIM[name])])
+            setattr(moe.experts, name, nn.Parameter(split, requires_grad=parameter.requires_grad))
 
 
 def gather_sequence(part: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
