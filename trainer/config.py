@@ -909,10 +909,6 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
             "an expert's capacity is counted over whole sequences, which context parallelism splits; use null "
             "(dropless) or cp 1",
         ),
-        "compute.compile": (
-            model.experts > 1 and config.compute.compile,
-            "the trainer runs mixture-of-experts blocks eagerly so far; use false",
-        ),
         "compute.precision": (
             config.compute.precision == "fp8" and (parallel.tp > 1 or model.experts > 1),
             "the trainer runs fp8 matmuls in dense models without tensor parallelism so far; use bf16",

@@ -190,11 +190,12 @@ def test_invalid_plans_name_the_field(document, cluster, field):
 def test_the_planner_estimates_what_the_trainer_refuses_to_run():
     mixtral = {"model": {"preset": "mixtral-8x7b"}, "parallel": {"dp_shard": 8, "ep": 8}}
     assert estimate(mixtral, {"nodes": 1}).layout.model.experts == 8
-    document = {"model": {"experts": 8, "top_k": 2}, "compute": {"compile": True}}
-    assert estimate(document, {"nodes": 1}).layout.config.compute.compile
+    # Expert parallelism across replicas rather than within the ranks that shard the model.
+    document = {"model": {"experts": 8, "top_k": 2}, "parallel": {"dp_replicate": 2, "ep": 2}}
+    assert estimate(document, {"nodes": 1}).layout.parallel.ep == 2
     with pytest.raises(ConfigError) as refused:
         parse_config(document)
-    assert "compute.compile" in refused.value.errors
+    assert "parallel.ep" in refused.value.errors
 
 
 def test_predicted_traffic_has_the_layout_structure():

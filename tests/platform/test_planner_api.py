@@ -316,10 +316,10 @@ def test_a_run_with_a_bad_cluster_is_refused_and_nothing_is_stored(client, token
 
 
 def test_a_run_the_trainer_cannot_run_is_refused_even_though_the_planner_estimates_it(client, token):
-    # A compiled mixture of experts: the planner prices it, the trainer does not run it yet.
+    # Expert parallelism across replicas: the planner prices it, the trainer does not run it yet.
     model = {**TINY_CONFIG["model"], "experts": 4, "top_k": 2}
-    config = {**TINY_CONFIG, "model": model, "compute": {"compile": True}}
+    config = {**TINY_CONFIG, "model": model, "parallel": {"dp_replicate": 2, "ep": 2}}
     assert post(client, "/api/plan/estimate", {"config": config, "cluster": ONE_H100_NODE}, token).status_code == 200
     errors = field_errors(post(client, "/api/runs", {"name": "moe", "config": config, "cluster": ONE_H100_NODE}, token))
-    assert "config.compute.compile" in errors
+    assert "config.parallel.ep" in errors
     assert not Run.objects.exists()

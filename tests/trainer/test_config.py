@@ -272,7 +272,7 @@ def test_a_mixture_of_experts_runs_where_the_trainer_splits_its_experts_and_is_r
             {"parallel": {"cp": 2}, "model": {**moe["model"], "moe": {"capacity_factor": 1.5}}},
             "model.moe.capacity_factor",
         ),
-        ({"compute": {"compile": True}}, "compute.compile"),
+        ({"compute": {"precision": "fp8"}}, "compute.precision"),
     ]
     for sections, field in refusals:
         document = {**moe, **sections}

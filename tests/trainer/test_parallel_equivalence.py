@@ -202,6 +202,8 @@ VARIANT_LAYOUTS = [
     ("moe", "pp2_1f1b"),
     ("moe", "tp2_no_sp"),
     ("moe", "pp2xtp2xcp2"),
+    # Compiled blocks run their mixture of experts eagerly between the compiled attention and norms.
+    ("moe", "dp2xtp2_compiled_blocks"),
     *[("moe", name) for name in EXPERT_LAYOUTS],
 ]
 

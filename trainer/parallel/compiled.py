@@ -21,6 +21,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from trainer.config import ComputeConfig
 from trainer.model import Transformer
+from trainer.moe import MoEFeedForward
 
 from .recompute import apply_recompute
 
@@ -35,6 +36,10 @@ def recompute_and_compile(part: Transformer, compute: ComputeConfig, tensor_para
     if not checkpoint_compiled_code:
         apply_recompute(part, compute)
     for block in part.blocks.values():
+        if isinstance(block.mlp, MoEFeedForward):
+            # Routing's shapes depend on the data (how many tokens each expert takes; expert parallelism's splits),
+            # so a mixture of experts runs eagerly between the compiled attention and norms.
+            block.mlp.forward = torch.compiler.disable(block.mlp.forward)
         block.compile()
     if checkpoint_compiled_code:
         apply_recompute(part, compute)
