@@ -910,8 +910,8 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
             "(dropless) or cp 1",
         ),
         "compute.precision": (
-            config.compute.precision == "fp8" and (parallel.tp > 1 or model.experts > 1),
-            "the trainer runs fp8 matmuls in dense models without tensor parallelism so far; use bf16",
+            config.compute.precision == "fp8" and parallel.tp > 1,
+            "the trainer runs fp8 matmuls without tensor parallelism so far; use bf16",
         ),
         "optimizer.offload": (config.optimizer.offload, "the trainer keeps optimizer states on the device"),
     }

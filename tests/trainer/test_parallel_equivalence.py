@@ -272,6 +272,19 @@ def test_fp8_matmuls_track_the_fp32_losses(name, scaling, single_process, tmp_pa
     assert {tensor.dtype for tensor in run.parameters().values()} == {torch.float32}
 
 
+def test_fp8_matmuls_in_a_mixture_of_experts_track_its_fp32_losses(variant_single_process, tmp_path):
+    """Expert parallelism over FSDP with fp8 attention and shared-expert matmuls; the router and the experts' grouped
+    products stay bf16."""
+    document = with_model(layout(2, dp_shard=2, ep=2), "moe")
+    document["compute"] |= {"precision": "fp8", "fp8_scaling": "tensorwise"}
+    run = run_trainer(tmp_path, document)
+    assert run.returncode == 0, run.output[-4000:]
+    # 4 blocks of 4 attention and 3 shared-expert linear layers.
+    assert "fp8 matmuls (tensorwise scaling) in 28 linear layers" in run.output
+    for want, got in zip(variant_single_process("moe").loss_means(), run.loss_means(), strict=True):
+        assert abs(got - want) <= 3e-2 * abs(want)
+
+
 # On a prepared token dataset, a representative part of the matrix (DDP, FSDP, TP, PP, CP) with validation on:
 # every third step and after the last, so steps 3 and 4.
 TOKEN_LAYOUTS = {

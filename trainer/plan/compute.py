@@ -266,7 +266,16 @@ def block_compute(layout: Layout, cluster: ClusterSpec) -> BlockCompute:
     pricer = KernelPricer(layout, cluster)
     block = block_tensors(model, "*")
     attention_products = local_products([t for t in block if ".attention." in t.name], layout, tokens)
-    mlp_products = local_products([t for t in block if ".mlp." in t.name], layout, tokens)
+    mlp_tensors = [t for t in block if ".mlp." in t.name]
+    # loom's and torchtitan's fp8 converts linear layers, a dense block's and a shared expert's, not the router or
+    # the experts' grouped GEMMs; Megatron-LM's Transformer Engine runs those in fp8 too.
+    linear_layers = [t for t in mlp_tensors if not t.expert and ".router." not in t.name]
+    routed = [t for t in mlp_tensors if t not in linear_layers]
+    mlp_products = local_products(mlp_tensors, layout, tokens)
+    mlp_linear = pricer.linear(local_products(linear_layers, layout, tokens), in_fp8=True)
+    if routed:
+        routing = pricer.linear(local_products(routed, layout, tokens), in_fp8=layout.runtime == "megatron")
+        mlp_linear = tuple(a + b for a, b in zip(mlp_linear, routing, strict=True))
     if layout.attention == "unfused":
         core, core_backward = unfused_attention(pricer, layout, tokens)
     else:
@@ -278,7 +287,7 @@ def block_compute(layout: Layout, cluster: ClusterSpec) -> BlockCompute:
         attention_products,
         mlp_products,
         pricer.linear(attention_products, in_fp8=True),
-        pricer.linear(mlp_products, in_fp8=True),
+        mlp_linear,
         core,
         core_backward,
         pricer.memory_bytes(tokens * passes.block),

@@ -15,8 +15,8 @@ is validated whole by `parse_config(runnable=False)` once more.
 
 With runnable_only, only the layouts loom's trainer runs today: the rules add `unrunnable_errors`
 (and every layout returned is validated with `parse_config(runnable=True)`). They are applied where
-the other rules are, so an unrunnable choice (ZeRO-1/2, say) is dropped before anything is priced,
-and a model or precision the trainer does not run (mixture of experts, fp8) ends the search at once.
+the other rules are, so an unrunnable choice (fp8 under tensor parallelism, say) is dropped before anything is
+priced.
 
 Every figure returned is the one `estimate()` gives the returned config (timeline=False, the
 closed-form bubble). The estimate takes about half a millisecond a layout, and Llama-3 405B on 16,384
@@ -363,12 +363,6 @@ class SearchSpace:
             raise ConfigError(errors)
         return cls(base, cluster_spec, gpus or cluster_spec.world_size, global_batch, limit, runnable_only)
 
-    @property
-    def refused_by_trainer(self) -> dict[str, str]:
-        """With runnable_only, what keeps loom's trainer from running any layout of this model at this
-        precision, keyed by field; empty otherwise."""
-        return unrunnable_errors(self.base) if self.runnable_only else {}
-
     def _accepts(self, parallel: dict, micro_batch: int = 1) -> bool:
         """Whether the base config with this parallel section and micro-batch passes the field
         rules of those sections and every cross-section rule, and with runnable_only whether the
@@ -397,10 +391,7 @@ class SearchSpace:
         return self._data_sections[micro_batch]
 
     def layouts_of_world(self):
-        """(tp, cp, pp, dp, micro_batch) that use every GPU and split the global batch evenly; none
-        where the trainer is to run the layout and runs no layout of this model at this precision."""
-        if self.refused_by_trainer:
-            return
+        """(tp, cp, pp, dp, micro_batch) that use every GPU and split the global batch evenly."""
         for tp in divisors(self.gpus):
             if tp > self.cluster.gpus_per_node:
                 continue
@@ -1125,9 +1116,6 @@ class Pricer:
 
     def why_nothing_fits(self) -> str:
         gpus = f"{self.space.gpus} × {self.cluster.gpu}"
-        if self.space.refused_by_trainer:
-            reasons = "; ".join(f"{key}: {message}" for key, message in self.space.refused_by_trainer.items())
-            return f"loom's trainer runs no layout of this model at {self.space.base.compute.precision} yet ({reasons})"
         if self.leanest is None:
             return (
                 f"no layout of {gpus} is valid at a global batch of {self.space.global_batch}: it must split "
