@@ -909,10 +909,6 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
             "an expert's capacity is counted over whole sequences, which context parallelism splits; use null "
             "(dropless) or cp 1",
         ),
-        "compute.precision": (
-            config.compute.precision == "fp8" and parallel.tp > 1,
-            "the trainer runs fp8 matmuls without tensor parallelism so far; use bf16",
-        ),
         "optimizer.offload": (config.optimizer.offload, "the trainer keeps optimizer states on the device"),
     }
     return {field: message for field, (unrunnable, message) in reasons.items() if unrunnable}

@@ -257,12 +257,16 @@ def test_launch_refuses_what_the_trainer_cannot_run_beside_the_field(designer):
     page = designer
     page.select_option("#design-preset", "mixtral-8x7b")
     wait_for_estimate(page, "estimate.config.model.experts === 8")
-    # The planner prices fp8 matmuls in a mixture of experts; the trainer runs them in dense models only.
-    set_field(page, "compute.precision", "fp8")
-    wait_for_estimate(page, "estimate.config.compute.precision === 'fp8'")
+    # The planner prices expert parallelism across HSDP's replicas; the trainer spreads experts over the ranks that
+    # shard the model only.
+    set_field(page, "parallel.dp_replicate", "2")
+    set_field(page, "parallel.dp_shard", "4")
+    set_field(page, "parallel.ep", "8")
+    wait_for_estimate(page, "estimate.config.parallel.ep === 8 && estimate.config.parallel.dp_shard === 4")
     page.click("#launch")
-    expect(field_error(page, "compute.precision")).to_contain_text("dense models")
+    expect(field_error(page, "parallel.ep")).to_contain_text("ranks that shard the model")
     assert page.url.endswith("/plan/")
+    set_field(page, "parallel.ep", "1")  # a dense model takes no expert parallelism
     page.select_option("#design-preset", "llama3-8b")  # a preset sets every model field, experts too
     expect(page.locator('[data-path="model.experts"]')).to_have_value("1")
     wait_for_estimate(page, "estimate.config.model.experts === 1")

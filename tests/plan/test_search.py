@@ -231,15 +231,6 @@ def test_a_runnable_only_search_keeps_tied_embeddings_on_one_pipeline_stage():
     assert runnable.results and all(found.config.parallel.pp == 1 for found in runnable.results + runnable.pareto)
 
 
-@pytest.mark.parametrize("model", [{"preset": "llama3-8b", "layers": 4}, {"preset": "mixtral-8x7b", "layers": 2}])
-def test_a_runnable_only_fp8_search_keeps_to_layouts_without_tensor_parallelism(model):
-    cluster = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 4}
-    every = search(model, cluster, 8, precision="fp8", limit=1000)
-    assert any(found.config.parallel.tp > 1 for found in every.results)
-    runnable = search(model, cluster, 8, precision="fp8", runnable_only=True)
-    assert runnable.results and all(found.config.parallel.tp == 1 for found in runnable.results + runnable.pareto)
-
-
 def test_a_runnable_only_search_of_a_mixture_of_experts_keeps_to_what_the_trainer_runs_of_it():
     model = {"preset": "mixtral-8x7b", "layers": 2}
     cluster = {"gpu": "H100-SXM", "nodes": 1, "gpus_per_node": 4}

@@ -248,15 +248,11 @@ def test_gpt3s_gelu_blocks_run():
     assert parse_config({"model": {"layers": 2, "mlp": "gelu"}, "parallel": {"tp": 2}}).model.mlp == "gelu"
 
 
-def test_fp8_runs_without_tensor_parallelism():
+def test_fp8_runs_in_every_layout_and_names_its_scaling_recipes():
     fp8 = {"compute": {"precision": "fp8", "fp8_scaling": "rowwise"}}
-    assert (
-        parse_config({**fp8, "parallel": {"dp_shard": 2, "pp": 2, "microbatches": 2}}).compute.fp8_scaling == "rowwise"
-    )
-    assert parse_config({**fp8, "model": {"experts": 4, "top_k": 2}}).model.experts == 4
-    refused = {"parallel": {"tp": 2}}
-    assert set(errors_of({**fp8, **refused})) == {"compute.precision"}
-    assert parse_config({**fp8, **refused}, runnable=False).compute.precision == "fp8"
+    parallel = {"dp_shard": 2, "tp": 2, "pp": 2, "microbatches": 2}
+    assert parse_config({**fp8, "parallel": parallel}).compute.fp8_scaling == "rowwise"
+    assert parse_config({**fp8, "model": {"experts": 4, "top_k": 2}, "parallel": {"tp": 2}}).model.experts == 4
     assert set(errors_of({"compute": {"fp8_scaling": "blockwise"}})) == {"compute.fp8_scaling"}
 
 

@@ -256,11 +256,15 @@ def test_bf16_mixed_precision_under_fsdp_tracks_the_fp32_losses(single_process, 
     assert {tensor.dtype for tensor in run.parameters().values()} == {torch.float32}
 
 
-@pytest.mark.parametrize(("name", "scaling"), [("fsdp2", "tensorwise"), ("pp2", "rowwise")])
+FP8_LAYOUTS = {"fsdp2": layout(2, dp_shard=2), "pp2": layout(pp=2, microbatches=2), "dp2xtp2": LAYOUTS["dp2xtp2"]}
+
+
+@pytest.mark.parametrize(("name", "scaling"), [("fsdp2", "tensorwise"), ("pp2", "rowwise"), ("dp2xtp2", "rowwise")])
 def test_fp8_matmuls_track_the_fp32_losses(name, scaling, single_process, tmp_path):
-    """torchao's float8 linear layers in the blocks, under FSDP's bf16 parameters and under a pipeline's autocast,
-    with both scaling recipes: fp8 rounding moves the losses a little more than bf16 does, never far."""
-    document = layout(2, dp_shard=2) if name == "fsdp2" else layout(pp=2, microbatches=2)
+    """torchao's float8 linear layers in the blocks, under FSDP's bf16 parameters, under a pipeline's autocast and
+    on tensor-parallel shards, with both scaling recipes: fp8 rounding moves the losses a little more than bf16
+    does, never far."""
+    document = copy.deepcopy(FP8_LAYOUTS[name])
     document["compute"] |= {"precision": "fp8", "fp8_scaling": scaling}
     run = run_trainer(tmp_path, document)
     assert run.returncode == 0, run.output[-4000:]
@@ -273,9 +277,9 @@ def test_fp8_matmuls_track_the_fp32_losses(name, scaling, single_process, tmp_pa
 
 
 def test_fp8_matmuls_in_a_mixture_of_experts_track_its_fp32_losses(variant_single_process, tmp_path):
-    """Expert parallelism over FSDP with fp8 attention and shared-expert matmuls; the router and the experts' grouped
-    products stay bf16."""
-    document = with_model(layout(2, dp_shard=2, ep=2), "moe")
+    """Expert and tensor parallelism over FSDP with fp8 attention and shared-expert matmuls; the router and the
+    experts' grouped products stay bf16."""
+    document = with_model(layout(2, dp_shard=2, tp=2, ep=2), "moe")
     document["compute"] |= {"precision": "fp8", "fp8_scaling": "tensorwise"}
     run = run_trainer(tmp_path, document)
     assert run.returncode == 0, run.output[-4000:]

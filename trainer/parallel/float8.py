@@ -2,7 +2,8 @@
 which then cast their inputs, weights and output gradients to fp8 with tensorwise or rowwise scales
 (compute.fp8_scaling) and multiply with torch._scaled_mm; master weights, optimizer states and everything else stay
 as bf16 mixed precision keeps them. The output projection stays bf16 (its logits feed the loss), as torchtitan
-leaves it; so do the MoE experts (grouped GEMMs) and the router.
+leaves it; so do the MoE experts (grouped GEMMs) and the router. Under tensor parallelism the converted layers take
+PyTorch's usual styles and cast their local shards.
 
 PyTorch's scaled matmul runs on GPUs of compute capability 8.9 and later (Ada, Hopper, Blackwell) and, slowly, on
 CPUs, which is where the tests run it."""

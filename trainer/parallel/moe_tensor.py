@@ -21,10 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
     PrepareModuleInputOutput,
-    RowwiseParallel,
     parallelize_module,
 )
 
@@ -36,9 +33,10 @@ from .local_kernels import local_part
 
 
 def apply_moe_tensor_parallel(moe: MoEFeedForward, tp_mesh: DeviceMesh, between_blocks: Placement) -> None:
-    """Replicate the block's router, run its shared expert as a dense block and hand it the sequence collectives;
-    the block takes and returns this rank's part of the sequence (a Shard(1) of the stream between blocks). The
-    experts' columns are split apart (split_expert_columns, or with expert parallelism apply_expert_parallel)."""
+    """Replicate the block's router and hand it the sequence collectives; the block takes and returns this rank's
+    part of the sequence (a Shard(1) of the stream between blocks). The experts' columns are split apart
+    (split_expert_columns, or with expert parallelism apply_expert_parallel), and a shared expert runs as a dense
+    block does (tensor.feed_forward_plan)."""
     parts = PrepareModuleInputOutput(
         input_layouts=(between_blocks,),
         desired_input_layouts=(Shard(1),),
@@ -48,15 +46,6 @@ def apply_moe_tensor_parallel(moe: MoEFeedForward, tp_mesh: DeviceMesh, between_
         use_local_output=True,
     )
     parallelize_module(moe, tp_mesh, parts)
-    if moe.shared is not None:
-        plan = {
-            "shared": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "shared.w1": ColwiseParallel(),
-            "shared.w2": RowwiseParallel(output_layouts=Shard(1)),
-        }
-        if hasattr(moe.shared, "w3"):
-            plan["shared.w3"] = ColwiseParallel()
-        parallelize_module(moe, tp_mesh, plan)
     whole = distribute_tensor(moe.router.weight.data, tp_mesh, [Replicate()])
     moe.router.weight = nn.Parameter(whole, requires_grad=moe.router.weight.requires_grad)
     moe.gather_sequence = functools.partial(gather_sequence, mesh=tp_mesh)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -22,7 +22,9 @@ from .moe_tensor import apply_moe_tensor_parallel
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool):
     """Megatron-style: q/k/v and w1 (and SwiGLU's w3) split by output columns, wo and w2 by input rows, so each block
     needs one reduction forward and one backward. With sequence parallel, norms and residuals hold a
-    1/tp slice of the sequence and the reductions become reduce-scatter + all-gather pairs."""
+    1/tp slice of the sequence and the reductions become reduce-scatter + all-gather pairs. torchao's Float8Linear
+    layers (compute.precision fp8) split the same way and cast their local shards (torchao's float8 styles, which
+    gather in fp8, need NCCL: gloo has no fp8 collectives)."""
     between_blocks = Shard(1) if sequence_parallel else Replicate()
     top_level = {}
     if model.embedding is not None:
@@ -51,12 +53,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         }
         if isinstance(block.mlp, MoEFeedForward):
             apply_moe_tensor_parallel(block.mlp, tp_mesh, between_blocks)
+            if block.mlp.shared is not None:
+                # Within the block, which takes and returns the rank's part of the sequence.
+                plan |= feed_forward_plan("mlp.shared", block.mlp.shared, Shard(1))
         else:
-            plan["mlp"] = PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),))
-            plan["mlp.w1"] = ColwiseParallel()
-            plan["mlp.w2"] = RowwiseParallel(output_layouts=between_blocks)
-            if hasattr(block.mlp, "w3"):
-                plan["mlp.w3"] = ColwiseParallel()
+            plan |= feed_forward_plan("mlp", block.mlp, between_blocks)
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["mlp_norm"] = SequenceParallel()
@@ -67,6 +68,19 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         ]
         for norm in norms + ([model.norm] if model.norm is not None else []):
             replicate_on(norm, tp_mesh)
+
+
+def feed_forward_plan(name: str, feed_forward: nn.Module, between: Placement) -> dict:
+    """A dense feed-forward block's plan (a block's, or a mixture of experts' shared expert): its input gathered, w1
+    (and SwiGLU's w3) split by columns, w2 by rows, its output as `between`."""
+    plan = {
+        name: PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+        f"{name}.w1": ColwiseParallel(),
+        f"{name}.w2": RowwiseParallel(output_layouts=between),
+    }
+    if hasattr(feed_forward, "w3"):
+        plan[f"{name}.w3"] = ColwiseParallel()
+    return plan
 
 
 def replicate_on(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -19,7 +19,7 @@ PLANNER_LABELS = {
 
 # (section heading, [field path]): paths under "cluster." are ClusterSpec fields, the others
 # run-config fields. Beyond what the new-run form asks, the designer offers what the planner
-# estimates, some of which the trainer does not run yet (fp8 with experts, offload, …).
+# estimates, some of which the trainer does not run yet (expert parallelism across replicas, offload, …).
 DESIGN_SECTIONS = [
     (
         "Model",
