@@ -579,14 +579,15 @@ def test_a_tied_models_checkpoint_resumes_in_another_layout(tmp_path):
 @pytest.mark.slow
 def test_a_mixture_of_experts_checkpoint_resumes_with_its_experts_spread_another_way(tmp_path):
     """Saved with each rank holding half of every block's experts (expert parallelism), resumed with each rank
-    holding all of them (DDP): the experts, their optimizer states and the routing biases carry over."""
+    holding half of every expert's columns (tensor parallelism): the experts, their optimizer states and the routing
+    biases carry over."""
     moe = {"experts": 4, "top_k": 2, "moe": {"balance_loss": 0.05, "bias_update_rate": 0.01}}
     directory = tmp_path / "checkpoints"
     saving = fsdp2({"interval_steps": HALF, "directory": str(directory)}, ep=2)
     saving["model"].update(moe)
     straight = run_trainer(tmp_path / "straight", saving)
     assert straight.returncode == 0, straight.output[-4000:]
-    resuming = document({"resume": str(directory / "step-000003")}, 2, dp_replicate=2)
+    resuming = document({"resume": str(directory / "step-000003")}, tp=2)
     resuming["model"].update(moe)
     resumed = run_trainer(tmp_path / "resumed", resuming)
     assert resumed.returncode == 0, resumed.output[-4000:]
