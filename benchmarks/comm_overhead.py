@@ -14,17 +14,15 @@ mostly adds slow ones.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from trainer.telemetry import read_spool
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from two_rank_run import rank0_metrics  # noqa: E402
+
 WARMUP_STEPS = 5
 
 
@@ -41,22 +39,7 @@ def demo_run(steps: int, comm: bool) -> dict:
 
 def step_times(document: dict) -> list[float]:
     """Each step's time on rank 0, from its metric events."""
-    with tempfile.TemporaryDirectory() as workdir:
-        config = Path(workdir) / "run.json"
-        config.write_text(json.dumps(document))
-        environ = {key: value for key, value in os.environ.items() if not key.startswith("LOOM_")}
-        environ.update(LOOM_SPOOL_DIR=str(Path(workdir) / "spool"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        command += ["-m", "trainer.train", "--config", str(config)]
-        subprocess.run(command, cwd=ROOT, env=environ, check=True, capture_output=True)
-        metrics = [
-            event
-            for batch in read_spool(Path(workdir) / "spool")
-            if batch["rank"] == 0
-            for event in batch["events"]
-            if event["kind"] == "metric"
-        ]
-    return [event["payload"]["step_time_s"] for event in sorted(metrics, key=lambda event: event["step"])]
+    return [payload["step_time_s"] for payload in rank0_metrics(document)]
 
 
 def main() -> None:

@@ -15,10 +15,7 @@ splitting the experts saves in expert compute against what the all-to-alls cost 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,9 +29,11 @@ from trainer.config import ModelConfig, ParallelConfig
 from trainer.model import Transformer
 from trainer.parallel.expert import apply_expert_parallel
 from trainer.parallel.mesh import ParallelMesh
-from trainer.telemetry import read_spool
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from two_rank_run import rank0_metrics  # noqa: E402
+
 WARMUP_STEPS = 3
 MODEL = {"layers": 4, "dim": 128, "heads": 4, "kv_heads": 2, "ffn": 256, "seq_len": 128, "experts": 8, "top_k": 2}
 DISPATCH_OPS = ("alltoall", "all_to_all", "wait_tensor")
@@ -53,22 +52,7 @@ def moe_run(steps: int, ep: int) -> dict:
 
 def tokens_per_s(document: dict) -> list[float]:
     """Each step's tokens/s of the whole run (rank 0's share times the two data-parallel ranks)."""
-    with tempfile.TemporaryDirectory() as workdir:
-        config = Path(workdir) / "run.json"
-        config.write_text(json.dumps(document))
-        environ = {key: value for key, value in os.environ.items() if not key.startswith("LOOM_")}
-        environ.update(LOOM_SPOOL_DIR=str(Path(workdir) / "spool"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        command += ["-m", "trainer.train", "--config", str(config)]
-        subprocess.run(command, cwd=ROOT, env=environ, check=True, capture_output=True)
-        metrics = [
-            event
-            for batch in read_spool(Path(workdir) / "spool")
-            if batch["rank"] == 0
-            for event in batch["events"]
-            if event["kind"] == "metric"
-        ]
-    return [2 * event["payload"]["tokens_per_s"] for event in sorted(metrics, key=lambda event: event["step"])]
+    return [2 * payload["tokens_per_s"] for payload in rank0_metrics(document)]
 
 
 def dispatch_share(rank: int, store_path: str, results: dict) -> None:
