@@ -255,14 +255,13 @@ def expert_collapse(rows: Sequence[StepRow], config: AlertsConfig) -> list[Findi
             f"{threshold} of one in each of steps {first_step}–{last_step}"
         )
     else:
-        named = ", ".join(
-            f"expert {entry['expert']} of layer {entry['layer']} ({entry['of_even_share']:.1%})"
-            for entry in collapsed[:SHOWN_EXPERT_ENTRIES]
+        named = _listed(
+            collapsed,
+            lambda entry: f"expert {entry['expert']} of layer {entry['layer']} ({entry['of_even_share']:.1%})",
         )
-        more = " …" if len(collapsed) > SHOWN_EXPERT_ENTRIES else ""
         message = (
             f"{len(collapsed)} experts collapsed, each under {threshold} of an even share of its layer's tokens for "
-            f"{config.expert_collapse_steps} steps or more: {named}{more}"
+            f"{config.expert_collapse_steps} steps or more: {named}"
         )
     step = max(entry["steps"][1] for entry in collapsed)
     details = {"experts": collapsed, "threshold": config.expert_collapse_share}
@@ -304,18 +303,23 @@ def expert_imbalance(rows: Sequence[StepRow], config: AlertsConfig) -> list[Find
             f"{first_step}–{last_step}"
         )
     else:
-        named = ", ".join(
-            f"layer {entry['layer']} ({entry['ratio']:.2f}×, expert {entry['busiest_expert']})"
-            for entry in imbalanced[:SHOWN_EXPERT_ENTRIES]
+        named = _listed(
+            imbalanced,
+            lambda entry: f"layer {entry['layer']} ({entry['ratio']:.2f}×, expert {entry['busiest_expert']})",
         )
-        more = " …" if len(imbalanced) > SHOWN_EXPERT_ENTRIES else ""
         message = (
             f"{len(imbalanced)} layers' expert loads are imbalanced, the busiest expert of each over {threshold} the "
-            f"layer's mean load for {config.expert_imbalance_steps} steps or more: {named}{more}"
+            f"layer's mean load for {config.expert_imbalance_steps} steps or more: {named}"
         )
     step = max(entry["steps"][1] for entry in imbalanced)
     details = {"layers": imbalanced, "threshold": config.expert_imbalance_ratio}
     return [Finding(EXPERT_IMBALANCE, step, WARNING, message, details=details)]
+
+
+def _listed(entries: list[dict], describe: Callable[[dict], str]) -> str:
+    """The first SHOWN_EXPERT_ENTRIES entries described, an ellipsis after them where there are more."""
+    named = ", ".join(describe(entry) for entry in entries[:SHOWN_EXPERT_ENTRIES])
+    return named + (" …" if len(entries) > SHOWN_EXPERT_ENTRIES else "")
 
 
 def _layer_series(rows: Iterable[StepRow]) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
