@@ -36,6 +36,7 @@ from trainer.kernels import kernels_for  # noqa: E402
 from trainer.model import Transformer  # noqa: E402
 from trainer.parallel.local_kernels import on_local_shards  # noqa: E402
 from trainer.parallel.mesh import ParallelMesh  # noqa: E402
+from trainer.parallel.moe_tensor import split_expert_columns  # noqa: E402
 from trainer.parallel.recompute import apply_recompute  # noqa: E402
 from trainer.parallel.tensor import apply_tensor_parallel  # noqa: E402
 
@@ -92,7 +93,9 @@ def kept_bytes(tp: int, sequence_parallel: bool, recompute: str, precision: str,
     kernels = kernels_for("triton", torch.device("cpu"))
     if tp > 1:
         model.use_kernels(on_local_shards(kernels))
-        apply_tensor_parallel(model, ParallelMesh(config.parallel, tp, "cpu")["tp"], sequence_parallel, False)
+        tp_mesh = ParallelMesh(config.parallel, tp, "cpu")["tp"]
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel, False)
+        split_expert_columns(model, tp_mesh)
     else:
         model.use_kernels(kernels)
     apply_recompute(model, config.compute)
