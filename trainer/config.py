@@ -876,7 +876,8 @@ def parse_config(document: Any, *, runnable: bool = True) -> RunConfig:
     """Validate a run-config document, raising ConfigError with field-level messages.
 
     runnable=False accepts layouts the planner can estimate but this trainer cannot run yet
-    (fp8 with experts or tensor parallelism, offload, …); launching always checks runnable."""
+    (tied embeddings across pipeline stages, expert parallelism across replicas, offload, …); launching
+    always checks runnable."""
     if not isinstance(document, dict):
         raise ConfigError({"config": "must be a JSON object"})
     try:

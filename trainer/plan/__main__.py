@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
     searching.add_argument(
         "--runnable-only",
         action="store_true",
-        help="only layouts loom's trainer runs today (no fp8 under tensor parallelism, say)",
+        help="only layouts loom's trainer runs today (no expert parallelism across replicas, say)",
     )
     searching.add_argument("--json", action="store_true", help="print the search result as JSON")
     searching.set_defaults(run=run_search)
@@ -269,7 +269,7 @@ def describe_search(result: SearchResult) -> str:
             counts,
             "Fastest layouts that fit\n" + table(SEARCH_COLUMNS, fastest),
             "Pareto frontier: less memory costs speed\n" + table(SEARCH_COLUMNS, front),
-            "runnable: whether loom's trainer runs the layout today (some it only plans: fp8 under tensor parallelism)",
+            "runnable: whether loom's trainer runs the layout today (some it only plans: tied embeddings over stages)",
         ]
     )
 

@@ -15,8 +15,8 @@ is validated whole by `parse_config(runnable=False)` once more.
 
 With runnable_only, only the layouts loom's trainer runs today: the rules add `unrunnable_errors`
 (and every layout returned is validated with `parse_config(runnable=True)`). They are applied where
-the other rules are, so an unrunnable choice (fp8 under tensor parallelism, say) is dropped before anything is
-priced.
+the other rules are, so an unrunnable choice (expert parallelism across replicas, say) is dropped before
+anything is priced.
 
 Every figure returned is the one `estimate()` gives the returned config (timeline=False, the
 closed-form bubble). The estimate takes about half a millisecond a layout, and Llama-3 405B on 16,384
