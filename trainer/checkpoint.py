@@ -285,46 +285,77 @@ def pinned_among(candidates: dict[int, Path], ask: Callable[[], Pins], steps: li
 STAGE_NUMBER = re.compile(r"^((?:state|param_groups)\.)?\d+\.")
 # One entry per parameter instead of per param group, so a rank holding other stages finds its own.
 FLATTENED = StateDictOptions(flatten_optimizer_state_dict=True)
+# With tied embeddings the output layer's matrix is the embedding's: one parameter under both names, or, across
+# pipeline stages, the last stage's copy of it (parallel/tied.py), whose optimizer state is a copy too. A checkpoint
+# holds it once, under the embedding's name, so it resumes into one stage or several alike.
+TIED_OUTPUT = re.compile(r"^((?:state|param_groups)\.)?output\.weight(\.|$)")
 
 
 def without_stage_number(key: str) -> str:
     return STAGE_NUMBER.sub(r"\1", key, count=1)
 
 
+def full_name(key: str, tied: bool) -> str:
+    """A holder's key as the checkpoint names it."""
+    name = without_stage_number(key)
+    return TIED_OUTPUT.sub(r"\1embedding.weight\2", name, count=1) if tied else name
+
+
 class FullNameState:
     """A Stateful view DCP saves and loads: keys renamed to full parameter names on the way out and
-    back to this rank's holder on the way in."""
+    back to this rank's holder on the way in. With tied embeddings two of the holder's keys may take one name
+    (TIED_OUTPUT): both are loaded from it."""
 
-    def __init__(self, holder: nn.Module, get: Callable[[], dict[str, Any]], put: Callable[[dict[str, Any]], Any]):
+    def __init__(
+        self,
+        holder: nn.Module,
+        get: Callable[[], dict[str, Any]],
+        put: Callable[[dict[str, Any]], Any],
+        tied: bool,
+    ):
         self.holder = holder
         self._get = get
         self._put = put
-        self._holder_keys: dict[str, str] = {}
+        self._tied = tied
+        self._holder_keys: dict[str, list[str]] = {}
 
     def state_dict(self) -> dict[str, Any]:
         reshard(self.holder)
-        local = self._get()
-        self._holder_keys = {without_stage_number(key): key for key in local}
-        return {without_stage_number(key): value for key, value in local.items()}
+        named: dict[str, Any] = {}
+        self._holder_keys = {}
+        for key, value in self._get().items():
+            name = full_name(key, self._tied)
+            self._holder_keys.setdefault(name, []).append(key)
+            named[name] = value
+        return named
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         reshard(self.holder)
-        self._put({self._holder_keys[key]: value for key, value in state_dict.items()})
+        local = {}
+        for name, value in state_dict.items():
+            first, *others = self._holder_keys[name]
+            local[first] = value
+            # Each copy keeps tensors of its own: an optimizer state two parameters shared would be stepped twice.
+            local.update({key: value.clone() if torch.is_tensor(value) else value for key in others})
+        self._put(local)
 
 
-def training_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, FullNameState]:
-    """What DCP saves and loads: this rank's stages and the one optimizer over all of them."""
+def training_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer, tied: bool) -> dict[str, FullNameState]:
+    """What DCP saves and loads: this rank's stages and the one optimizer over all of them; `tied`: whether the
+    model ties its embeddings."""
     holder = nn.ModuleList(modules)
     return {
         "model": FullNameState(
             holder,
             lambda: get_model_state_dict(holder),
             lambda state: set_model_state_dict(holder, state),
+            tied,
         ),
         "optimizer": FullNameState(
             holder,
             lambda: get_optimizer_state_dict(holder, optimizer, options=FLATTENED),
             lambda state: set_optimizer_state_dict(holder, optimizer, state, options=FLATTENED),
+            tied,
         ),
     }
 
@@ -410,7 +441,7 @@ class Checkpointer:
         self.root = root
         self.run_id = run_id
         self.attempt = attempt
-        self.state = training_state(modules, optimizer)
+        self.state = training_state(modules, optimizer, config.model.tie_embeddings)
         # Background saves run their collectives on a group of their own, so they never interleave
         # with the training step's collectives; gloo, because async saves need a CPU group.
         self.group = dist.new_group(backend="gloo")

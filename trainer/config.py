@@ -102,6 +102,21 @@ class MoEConfig(_Section):
             "experts); the later ones past it are dropped and ride the residual. null: dropless."
         ),
     )
+    dense_layers: int = Field(
+        0,
+        ge=0,
+        le=512,
+        description=(
+            "The first this many blocks keep a dense feed-forward block, the rest are mixtures of experts "
+            "(DeepSeek-V3: 3)."
+        ),
+    )
+    dense_ffn: int | None = Field(
+        None,
+        ge=8,
+        le=262144,
+        description="Inner size of those dense blocks' feed-forward (DeepSeek-V3: 9 × an expert's); null: model.ffn.",
+    )
 
 
 class ModelConfig(_Section):
@@ -149,6 +164,18 @@ class ModelConfig(_Section):
     def feed_forward_paths(self) -> int:
         """Feed-forward experts each token goes through: top_k routed ones and the shared one, or the dense block."""
         return self.top_k + self.moe.shared_expert if self.experts > 1 else 1
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block `index` routes its tokens to experts (the first moe.dense_layers stay dense)."""
+        return self.experts > 1 and index >= self.moe.dense_layers
+
+    @property
+    def dense_blocks(self) -> ModelConfig:
+        """The model a dense block of this one belongs to: no experts, and a mixture of experts' first
+        moe.dense_layers blocks take their own inner size (moe.dense_ffn)."""
+        if self.experts == 1:
+            return self
+        return self.model_copy(update={"experts": 1, "top_k": 1, "ffn": self.moe.dense_ffn or self.ffn})
 
     @field_validator("heads")
     @classmethod
@@ -875,9 +902,9 @@ def field_errors(error: ValidationError) -> dict[str, str]:
 def parse_config(document: Any, *, runnable: bool = True) -> RunConfig:
     """Validate a run-config document, raising ConfigError with field-level messages.
 
-    runnable=False accepts layouts the planner can estimate but this trainer cannot run yet
-    (tied embeddings across pipeline stages, expert parallelism across replicas, offload, …); launching
-    always checks runnable."""
+    runnable=False accepts layouts the planner can estimate but this trainer cannot run yet (expert
+    parallelism across replicas, with an ep that does not divide dp_shard × cp; offload; an expert capacity
+    under context parallelism); launching always checks runnable."""
     if not isinstance(document, dict):
         raise ConfigError({"config": "must be a JSON object"})
     try:
@@ -896,10 +923,6 @@ def unrunnable_errors(config: RunConfig) -> dict[str, str]:
     """Fields the planner estimates but this trainer does not run yet, keyed by field."""
     model, parallel = config.model, config.parallel
     reasons = {
-        "model.tie_embeddings": (
-            model.tie_embeddings and parallel.pp > 1,
-            "the trainer ties embedding and output within one pipeline stage only; use pp 1 or false",
-        ),
         "parallel.ep": (
             parallel.ep > 1 and parallel.sharding_ranks % parallel.ep != 0,
             f"the trainer spreads experts over the dp_shard × cp = {parallel.sharding_ranks} ranks that shard the "
@@ -955,10 +978,20 @@ def cross_section_errors(config: RunConfig) -> dict[str, str]:
             f"must be a multiple of data.micro_batch × data-parallel ranks = {data.micro_batch} × "
             f"{parallel.data_parallel} = {per_pass}; valid choices near it: {valid}",
         )
+    if model.moe.dense_layers and model.experts == 1:
+        refuse("model.moe.dense_layers", "needs a mixture-of-experts model (model.experts > 1); use 0")
+    elif model.moe.dense_layers >= model.layers:
+        refuse("model.moe.dense_layers", f"must be below model.layers={model.layers}, or the model has no experts")
     if parallel.tp > 1:
-        for name, size in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", model.ffn)):
+        dense_ffn = model.dense_blocks.ffn
+        sizes = (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", model.ffn), ("moe.dense_ffn", dense_ffn))
+        for name, size in sizes:
             if size % parallel.tp:
-                valid = [d for d in divisors(model.heads) if model.kv_heads % d == 0 and model.ffn % d == 0]
+                valid = [
+                    d
+                    for d in divisors(model.heads)
+                    if model.kv_heads % d == 0 and model.ffn % d == 0 and dense_ffn % d == 0
+                ]
                 refuse("parallel.tp", f"must divide model.{name}={size}; valid choices are {valid}")
         if model.vocab % parallel.tp:
             valid = divisors(model.vocab)[:12]

@@ -106,19 +106,21 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
-def feed_forward(cfg: ModelConfig, kernels: KernelSet) -> nn.Module:
-    return MoEFeedForward(cfg, kernels) if cfg.experts > 1 else dense_feed_forward(cfg, kernels)
+def feed_forward(cfg: ModelConfig, kernels: KernelSet, index: int) -> nn.Module:
+    """Block `index`'s feed-forward: a mixture of experts, or dense (every block of a dense model, the first
+    moe.dense_layers of a mixture of experts)."""
+    return MoEFeedForward(cfg, kernels) if cfg.is_moe_block(index) else dense_feed_forward(cfg.dense_blocks, kernels)
 
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, index: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.attention = Attention(cfg, kernels)
         self.mlp_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
-        self.mlp = feed_forward(cfg, kernels)
+        self.mlp = feed_forward(cfg, kernels, index)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None = None
@@ -139,7 +141,7 @@ class Transformer(nn.Module):
         self.embedding: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.dim)
         # A dict keyed by layer number: a pipeline stage deletes the layers it does not own and the
         # rest keep their names (blocks.7.…), so checkpoints and comparisons line up across layouts.
-        self.blocks = nn.ModuleDict({str(index): Block(cfg, kernels) for index in range(cfg.layers)})
+        self.blocks = nn.ModuleDict({str(index): Block(cfg, kernels, index) for index in range(cfg.layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.tie_output()

@@ -109,14 +109,17 @@ def group_kind(
     group: Iterable[int], mesh_groups: Mapping[str, Iterable[int]], world_size: int, op: str | None = None
 ) -> str:
     """The kind of traffic a group carries: the kind of the first mesh dim (in KIND_OF_MESH_DIM
-    order) whose group holds the same ranks, else "world" for all ranks, else "other". An all-to-all
-    on the expert-parallel group is expert traffic whatever other dim holds its ranks too."""
+    order) whose group holds the same ranks, else of the first whose group holds them all (a group of
+    some of a dim's ranks: the first and the last pipeline rank summing a tied embedding's gradients),
+    else "world" for all ranks, else "other". An all-to-all on the expert-parallel group is expert
+    traffic whatever other dim holds its ranks too."""
     ranks = frozenset(group)
     if op == "all_to_all" and "ep" in mesh_groups and frozenset(mesh_groups["ep"]) == ranks:
         return "ep"
-    for dim, kind in KIND_OF_MESH_DIM.items():
-        if dim in mesh_groups and frozenset(mesh_groups[dim]) == ranks:
-            return kind
+    for holds in (ranks.__eq__, ranks.issubset):
+        for dim, kind in KIND_OF_MESH_DIM.items():
+            if dim in mesh_groups and holds(frozenset(mesh_groups[dim])):
+                return kind
     return WORLD if len(ranks) == world_size else OTHER
 
 

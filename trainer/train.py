@@ -253,7 +253,7 @@ def train(
                 loss = parallel_model.forward_backward(inputs, targets)
                 loss = faults.diverge(config.faults, step, loss, parameters)
                 loss = faults.spike(config.faults, step, loss, parameters)
-                norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh)
+                norm = clip_gradients(parameters, config.optimizer.grad_clip, mesh, parallel_model.copies)
                 update = update_allowed(config.optimizer.on_non_finite, step, norm)
                 if update:
                     checkpointer.before_update()

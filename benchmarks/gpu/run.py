@@ -1,6 +1,6 @@
 """Everything loom measures on a GPU, in one command: run it first whenever a GPU is at hand.
 
-    python benchmarks/gpu/run.py OUTDIR             # on a machine with one GPU, inside 8 minutes on an H100
+    python benchmarks/gpu/run.py OUTDIR             # on a machine with one GPU, inside 9.5 minutes on an H100
     python benchmarks/gpu/run.py OUTDIR --dry-run   # on CPU, tiny sizes: checks the script's own wiring (CI)
 
 Parts, in order, each a subprocess with its own time cap whose output goes to OUTDIR/<part>.log:
@@ -9,7 +9,9 @@ Parts, in order, each a subprocess with its own time cap whose output goes to OU
   memory      benchmarks/gpu/memory_check.py: the trainer's measured peak memory and step time against the
               planner's estimate for 14 single-GPU configs (OUTDIR/memory.json)
   throughput  benchmarks/throughput.py --config 1b: loom against Hugging Face's Llama, tokens/s and MFU; then
-              benchmarks/gpu/fp8_check.py: bf16 against fp8 matmuls (tensorwise, rowwise), tokens/s and loss
+              benchmarks/gpu/fp8_check.py: bf16 against fp8 matmuls (tensorwise, rowwise), tokens/s and loss; then
+              benchmarks/gpu/moe_check.py: a DeepSeek-V3-16B-shaped mixture of experts against a dense model of its
+              active width, tokens/s, MFU and peak memory, each beside the planner's estimate
   kernels     the Triton kernel tests compiled on CUDA (tests/trainer/test_kernels.py), then benchmarks/kernels.py:
               each kernel fused against eager torch and torch.compile at the 1B config's TP-1 and TP-8 local
               shapes, and the fused cross-entropy's peak memory at vocabulary 128,256
@@ -77,8 +79,12 @@ def parts(out: Path, gpu: str, dry_run: bool) -> list[tuple[str, list[list[str]]
         ("memory", [memory + flag], 120),
         (
             "throughput",
-            [[python, "benchmarks/throughput.py", *throughput], [python, "benchmarks/gpu/fp8_check.py", *flag]],
-            120,
+            [
+                [python, "benchmarks/throughput.py", *throughput],
+                [python, "benchmarks/gpu/fp8_check.py", *flag],
+                [python, "benchmarks/gpu/moe_check.py", "--gpu", gpu, *flag],
+            ],
+            195,
         ),
         (
             "kernels",

@@ -235,6 +235,13 @@ def test_megatron_arguments_hold_the_model_and_the_layout():
             {"preset": "mixtral-8x7b"},
             {},
             {"--num-experts": "8", "--moe-router-topk": "2", "--expert-model-parallel-size": "8"},
+            ["--moe-layer-freq", "--moe-ffn-hidden-size"],
+        ),
+        (
+            {"dp_shard": 8, "ep": 8},
+            {"preset": "mixtral-8x7b", "moe": {"dense_layers": 3, "dense_ffn": 28672}},
+            {},
+            {"--moe-layer-freq": "([0]*3+[1]*29)", "--ffn-hidden-size": "28672", "--moe-ffn-hidden-size": "14336"},
             [],
         ),
         ({"dp_shard": 8}, {"preset": "gpt3-175b"}, {}, {}, ["--swiglu", "--untie-embeddings-and-output-weights"]),

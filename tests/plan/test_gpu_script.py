@@ -44,6 +44,8 @@ def test_the_gpu_script_runs_every_part_on_cpu(tmp_path):
     assert "ratio loom/HF" in throughput
     # bf16, then fp8 matmuls with each scaling recipe, against it.
     assert throughput.count("× bf16") == 3, throughput
+    # A mixture of experts and the dense model of its active width, each measured and planned.
+    assert throughput.count("tokens/s, MFU") == 2 and "MoE/dense tokens/s" in throughput, throughput
     kernels = (tmp_path / "kernels.log").read_text()
     assert "tests collected" in kernels
     # Four kernels, each at TP 1 and at a TP-8 rank's local shapes, each timed eager, compiled and fused.

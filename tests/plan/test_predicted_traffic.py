@@ -44,6 +44,34 @@ def test_volumes_agree_within_ten_percent(kind, measured, predicted):
                 assert abs(expected - nbytes) <= 0.1 * nbytes, (kind, source, destination, expected, nbytes)
 
 
+# Tied embeddings across the two stages: besides the sends, the first and the last pipeline rank all-reduce their
+# copies' gradients once a step, each rank its FSDP shard of its tensor-parallel rows of the matrix.
+TIED_RUN = {**HYBRID_RUN, "model": {**HYBRID_RUN["model"], "tie_embeddings": True}}
+
+
+@pytest.fixture(scope="module")
+def measured_tied(tmp_path_factory):
+    run = run_trainer(tmp_path_factory.mktemp("tied"), TIED_RUN)
+    assert run.returncode == 0, run.output[-4000:]
+    return run.traffic_per_step(KINDS, after_step=1, steps=STEPS)
+
+
+def test_a_tied_pipelines_traffic_is_what_the_planner_predicts(measured_tied, measured, predicted):
+    tied = predicted_matrix(parse_config(TIED_RUN)).by_kind
+    for kind in KINDS:
+        for source, row in enumerate(measured_tied[kind]):
+            for destination, nbytes in enumerate(row):
+                expected = tied[kind][source][destination]
+                assert abs(expected - nbytes) <= 0.1 * max(nbytes, expected), (kind, source, destination, nbytes)
+    # What the tie adds on its own: the all-reduce between the ranks that send each other activations.
+    pipeline_pairs = [(i, j) for i, row in enumerate(tied["pp"]) for j, nbytes in enumerate(row) if nbytes]
+    assert len(pipeline_pairs) == 8
+    for source, destination in pipeline_pairs:
+        added = measured_tied["pp"][source][destination] - measured["pp"][source][destination]
+        expected = tied["pp"][source][destination] - predicted["pp"][source][destination]
+        assert expected > 0 and abs(added - expected) <= 0.1 * expected, (source, destination, added, expected)
+
+
 def test_without_a_cluster_ranks_fill_nodes_of_the_default_size_and_bytes_do_not_change():
     from trainer.plan.hardware import ClusterSpec
     from trainer.plan.traffic import predicted_rows

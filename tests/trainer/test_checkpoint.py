@@ -23,6 +23,7 @@ from trainer.checkpoint import (
     checkpoint_root,
     commit,
     committed_checkpoints,
+    full_name,
     holds_checkpoints,
     latest_good,
     pinned_among,
@@ -72,10 +73,10 @@ def metric_steps(run: FinishedRun) -> list[int]:
     return sorted(event["step"] for rank, event in run.events("metric") if rank == 0)
 
 
-def assert_same_math(resumed: FinishedRun, straight: FinishedRun) -> None:
-    """Another layout sums in another order: the equivalence test's tolerances."""
+def assert_same_math(resumed: FinishedRun, straight: FinishedRun, resumed_after: int = HALF) -> None:
+    """Another layout sums in another order: the equivalence test's tolerances, over the steps after `resumed_after`."""
     for step, (want, got) in enumerate(
-        zip(straight.loss_means()[HALF:], resumed.loss_means(), strict=True), start=HALF + 1
+        zip(straight.loss_means()[resumed_after:], resumed.loss_means(), strict=True), start=resumed_after + 1
     ):
         assert abs(got - want) <= TOLERANCES["loss_relative"] * abs(want), f"step {step}: {got} vs {want}"
     reference, parameters = straight.parameters(), resumed.parameters()
@@ -275,6 +276,22 @@ def test_only_checkpoints_of_the_same_run_and_attempt_count_as_written_by_it(tmp
 )
 def test_state_keys_lose_the_number_of_the_stage_holding_them(key, full_name):
     assert without_stage_number(key) == full_name
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        ("0.output.weight", "embedding.weight"),
+        ("1.output.weight", "embedding.weight"),
+        ("state.1.output.weight.exp_avg", "state.embedding.weight.exp_avg"),
+        ("param_groups.0.output.weight.lr", "param_groups.embedding.weight.lr"),
+        ("0.embedding.weight", "embedding.weight"),
+        ("0.blocks.3.attention.wo.weight", "blocks.3.attention.wo.weight"),
+    ],
+)
+def test_a_tied_models_output_matrix_is_saved_under_the_embeddings_name(key, name):
+    assert full_name(key, tied=True) == name
+    assert full_name("1.output.weight", tied=False) == "output.weight"
 
 
 def test_rng_states_survive_json_and_replay_the_same_numbers():
@@ -558,22 +575,63 @@ def test_sigterm_commits_a_checkpoint_of_the_last_completed_step(tmp_path):
     assert committed["step"] == last_step and committed["parent"] is None
 
 
+def tied(document: dict) -> dict:
+    document["model"]["tie_embeddings"] = True
+    return document
+
+
+@pytest.fixture(scope="module")
+def tied_straight(tmp_path_factory) -> tuple[FinishedRun, Path]:
+    """A tied model under FSDP 2, STEPS steps, a checkpoint every HALF."""
+    workdir = tmp_path_factory.mktemp("tied-straight")
+    directory = workdir / "checkpoints"
+    run = run_trainer(workdir, tied(fsdp2({"interval_steps": HALF, "directory": str(directory)})))
+    assert run.returncode == 0, run.output[-4000:]
+    return run, directory
+
+
+def assert_one_matrix(run: FinishedRun) -> None:
+    parameters = run.parameters()
+    assert torch.equal(parameters["embedding.weight"], parameters["output.weight"])
+
+
 @pytest.mark.slow
-def test_a_tied_models_checkpoint_resumes_in_another_layout(tmp_path):
+def test_a_tied_models_checkpoint_resumes_in_another_layout(tied_straight, tmp_path):
     """One parameter under two names (embedding and output): FSDP saves it, tensor parallelism, which splits it over
     the vocabulary for both layers, loads it and trains on as the straight run did."""
-    tied = {"model": {"layers": 4, "dim": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq_len": 32}}
-    tied["model"]["tie_embeddings"] = True
-    directory = tmp_path / "checkpoints"
-    straight = run_trainer(
-        tmp_path / "straight", {**fsdp2({"interval_steps": HALF, "directory": str(directory)}), **tied}
-    )
-    assert straight.returncode == 0, straight.output[-4000:]
-    resumed = run_trainer(tmp_path / "resumed", {**document({"resume": str(directory / "step-000003")}, tp=2), **tied})
+    straight, directory = tied_straight
+    resumed = run_trainer(tmp_path, tied(document({"resume": str(directory / "step-000003")}, tp=2)))
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert metric_steps(resumed) == list(range(HALF + 1, STEPS + 1))
     assert_same_math(resumed, straight)
-    assert torch.equal(resumed.parameters()["embedding.weight"], resumed.parameters()["output.weight"])
+    assert_one_matrix(resumed)
+
+
+@pytest.mark.slow
+def test_a_tied_models_checkpoint_resumes_across_pipeline_stages_and_back(tied_straight, tmp_path):
+    """The one tied parameter of a single stage resumes as the first stage's embedding and the last stage's copy of
+    it, optimizer states included; that pipeline's checkpoint, a step later, resumes as one parameter again."""
+    straight, directory = tied_straight
+    staged_directory = tmp_path / "staged-checkpoints"
+    staged = run_trainer(
+        tmp_path / "staged",
+        tied(
+            document(
+                {"resume": str(directory / "step-000003"), "interval_steps": 1, "directory": str(staged_directory)},
+                pp=2,
+                pp_schedule="1F1B",
+                microbatches=2,
+            )
+        ),
+    )
+    assert staged.returncode == 0, staged.output[-4000:]
+    assert_same_math(staged, straight)
+    assert_one_matrix(staged)
+    whole = run_trainer(tmp_path / "whole", tied(document({"resume": str(staged_directory / "step-000004")})))
+    assert whole.returncode == 0, whole.output[-4000:]
+    assert metric_steps(whole) == list(range(HALF + 2, STEPS + 1))
+    assert_same_math(whole, straight, resumed_after=HALF + 1)
+    assert_one_matrix(whole)
 
 
 @pytest.mark.slow

@@ -112,6 +112,12 @@ def test_an_all_to_all_on_the_expert_parallel_group_is_expert_traffic_where_dp_h
     assert group_kind((5, 7), {"ep": [5, 7]}, world_size=8, op="all_gather") == "ep"
 
 
+def test_a_group_of_some_of_a_dims_ranks_is_named_by_that_dim():
+    # Rank 4 of pp 3 × tp 2: it and the first pipeline rank sum a tied embedding's gradients.
+    mesh_groups = {"tp": [4, 5], "pp": [0, 2, 4], "dp": [4]}
+    assert group_kind((0, 4), mesh_groups, world_size=6) == "pp"
+
+
 def test_where_dims_coincide_tp_wins_and_the_world_comes_last():
     mesh_groups = {"tp": [0, 1], "pp": [0], "dp": [0]}
     assert group_kind((0, 1), mesh_groups, world_size=2) == "tp"

@@ -235,13 +235,10 @@ def test_a_document_mask_needs_a_dataset_and_no_pipeline_or_context_parallelism(
     assert parse_config({"data": {"dataset": "/data/tokens", "document_mask": True}, "parallel": {"tp": 2}})
 
 
-def test_tied_embeddings_run_within_one_pipeline_stage_and_are_refused_across_stages():
+def test_tied_embeddings_run_within_one_pipeline_stage_and_across_stages():
     tied = {"model": {"layers": 4, "tie_embeddings": True}}
     assert parse_config({**tied, "parallel": {"tp": 2, "dp_shard": 2}}).model.tie_embeddings
-    refused = errors_of({**tied, "parallel": {"pp": 2, "microbatches": 2}})
-    assert set(refused) == {"model.tie_embeddings"} and "pp 1" in refused["model.tie_embeddings"]
-    # The planner prices a tied model across stages all the same.
-    assert parse_config({**tied, "parallel": {"pp": 2, "microbatches": 2}}, runnable=False).parallel.pp == 2
+    assert parse_config({**tied, "parallel": {"pp": 2, "microbatches": 2}}).parallel.pp == 2
 
 
 def test_gpt3s_gelu_blocks_run():
@@ -275,3 +272,18 @@ def test_a_mixture_of_experts_runs_where_the_trainer_splits_its_experts_and_is_r
         assert set(errors_of(document)) == {field}, sections
         assert parse_config(document, runnable=False)
     assert set(errors_of({"model": {**moe["model"], "moe": {"gate": "relu"}}})) == {"model.moe.gate"}
+
+
+def test_dense_first_layers_need_experts_to_follow_and_a_width_tensor_parallelism_splits():
+    moe = {"layers": 4, "experts": 4, "top_k": 2}
+    deepseek_like = parse_config({"model": {**moe, "moe": {"dense_layers": 3, "dense_ffn": 688}}}).model
+    assert [deepseek_like.is_moe_block(index) for index in range(4)] == [False, False, False, True]
+    assert deepseek_like.dense_blocks.ffn == 688 and deepseek_like.dense_blocks.experts == 1
+    refusals = [
+        ({"model": {"moe": {"dense_layers": 1}}}, "model.moe.dense_layers"),
+        ({"model": {**moe, "moe": {"dense_layers": 4}}}, "model.moe.dense_layers"),
+        ({"model": {**moe, "moe": {"dense_layers": 1, "dense_ffn": 345}}, "parallel": {"tp": 2}}, "parallel.tp"),
+    ]
+    for document, field in refusals:
+        assert set(errors_of(document)) == {field}, document
+    assert "moe.dense_ffn=345" in errors_of(refusals[2][0])["parallel.tp"]

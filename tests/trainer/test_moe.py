@@ -7,10 +7,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.config import ModelConfig, ParallelConfig
+from trainer.dense import SwiGLU
 from trainer.model import Transformer
 from trainer.moe import MoEFeedForward, grouped_matmul
 from trainer.parallel.expert import routing_step
 from trainer.parallel.mesh import ParallelMesh
+from trainer.plan.parameters import active_parameters, total_parameters
 
 EXPERTS, TOP_K, DIM, SEQ_LEN = 4, 2, 16, 12
 
@@ -214,3 +216,14 @@ def test_the_bias_update_evens_out_a_skewed_router_without_any_loss(one_rank):
     assert imbalance(block, x) < 1.2
     assert torch.equal(block.router.weight, weights)
     assert sum(report["0"]["load"]) == 8 * SEQ_LEN * TOP_K
+
+
+def test_the_first_dense_layers_keep_a_dense_feed_forward_of_their_own_width_and_the_planner_counts_them():
+    cfg = ModelConfig(dim=DIM, heads=2, kv_heads=2, ffn=32, seq_len=SEQ_LEN, experts=EXPERTS, top_k=TOP_K,
+                      layers=3, moe={"dense_layers": 1, "dense_ffn": 48})  # fmt: skip
+    model = Transformer(cfg)
+    assert isinstance(model.blocks["0"].mlp, SwiGLU) and model.blocks["0"].mlp.w1.weight.shape == (48, DIM)
+    assert [isinstance(model.blocks[str(index)].mlp, MoEFeedForward) for index in range(3)] == [False, True, True]
+    assert total_parameters(cfg) == model.num_params()
+    moe_block_experts = 3 * EXPERTS * 32 * DIM
+    assert total_parameters(cfg) - active_parameters(cfg) == 2 * moe_block_experts * (EXPERTS - TOP_K) // EXPERTS

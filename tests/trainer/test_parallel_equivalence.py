@@ -182,13 +182,27 @@ def test_triton_kernels_train_like_a_single_process_in(name, single_process, tmp
 # Model variants, each against a single process of its own, in the layouts that touch what they change: GPT-3's
 # two-matrix GELU feed-forward block (no w3 for tensor parallelism to split; FSDP; pipeline stages) and tied
 # embeddings (one matrix the embedding's and the output's tensor-parallel plans both split over the vocabulary,
-# with and without loss parallel; FSDP and DDP holding it once; context parallel).
+# with and without loss parallel; FSDP and DDP holding it once; context parallel; across pipeline stages, a copy on
+# the last stage whose gradient the first and the last pipeline rank sum: over the pp group, sharded by FSDP and
+# split by tensor parallelism, over a group of their own with more than two pipeline ranks, and on one rank, which
+# a V schedule gives both).
 MODEL_VARIANTS = {
     "gelu": {"mlp": "gelu"},
     "tied": {"tie_embeddings": True},
     # A mixture of experts every layout runs alike: routing ties go to the lower expert, and the balance loss and
-    # the capacity are counted per sequence, so data parallelism and microbatches leave them as they are.
-    "moe": {"experts": 4, "top_k": 2, "moe": {"balance_loss": 0.05, "bias_update_rate": 0.01, "shared_expert": True}},
+    # the capacity are counted per sequence, so data parallelism and microbatches leave them as they are. Its first
+    # block is dense and wider, as DeepSeek-V3's first three are: a pipeline's first stage holds both kinds of block.
+    "moe": {
+        "experts": 4,
+        "top_k": 2,
+        "moe": {
+            "balance_loss": 0.05,
+            "bias_update_rate": 0.01,
+            "shared_expert": True,
+            "dense_layers": 1,
+            "dense_ffn": 192,
+        },
+    },
 }
 VARIANT_LAYOUTS = [
     ("gelu", "dp2xtp2"),
@@ -198,6 +212,9 @@ VARIANT_LAYOUTS = [
     ("tied", "tp2_no_sp"),
     ("tied", "ddp2"),
     ("tied", "cp2"),
+    ("tied", "pp2xdp2xtp2"),
+    ("tied", "pp2_zbvzerobubble"),
+    ("tied", "pp3_1f1b_uneven"),
     ("moe", "ddp2"),
     ("moe", "pp2_1f1b"),
     ("moe", "tp2_no_sp"),
@@ -243,6 +260,11 @@ def test_a_model_variant_trains_like_its_single_process_in(variant, name, varian
     assert run.returncode == 0, run.output[-4000:]
     assert_planner_predicts_state_bytes(run, document)
     assert_trains_like(run, variant_single_process(variant))
+    if variant == "tied":
+        # One matrix, or a pipeline's two copies of it updated alike (the gradient norm, compared above, counts it
+        # once).
+        parameters = run.parameters()
+        assert torch.equal(parameters["output.weight"], parameters["embedding.weight"])
 
 
 def test_bf16_mixed_precision_under_fsdp_tracks_the_fp32_losses(single_process, tmp_path):
@@ -283,7 +305,7 @@ def test_fp8_matmuls_in_a_mixture_of_experts_track_its_fp32_losses(variant_singl
     document["compute"] |= {"precision": "fp8", "fp8_scaling": "tensorwise"}
     run = run_trainer(tmp_path, document)
     assert run.returncode == 0, run.output[-4000:]
-    # 4 blocks of 4 attention and 3 shared-expert linear layers.
+    # 4 blocks of 4 attention and 3 linear layers: the dense block's, or a shared expert's.
     assert "fp8 matmuls (tensorwise scaling) in 28 linear layers" in run.output
     for want, got in zip(variant_single_process("moe").loss_means(), run.loss_means(), strict=True):
         assert abs(got - want) <= 3e-2 * abs(want)

@@ -31,6 +31,7 @@ from .mesh import ParallelMesh
 from .moe_tensor import add_up_sequence_parts, split_expert_columns
 from .pipeline import build_schedule, forward_only, gradients_reduced, split_model
 from .tensor import apply_tensor_parallel
+from .tied import TiedEmbeddings
 
 
 @dataclass
@@ -42,6 +43,9 @@ class ParallelModel:
     forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
     evaluate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
     state_modules: list[nn.Module] = field(default_factory=list)
+    # Parameters that repeat another's (a pipeline's last-stage copy of the tied embedding): the same gradient and
+    # updates, so the gradient norm counts them once.
+    copies: list[nn.Parameter] = field(default_factory=list)
 
     def parameters(self) -> list[nn.Parameter]:
         return [parameter for module in self.modules for parameter in module.parameters()]
@@ -51,7 +55,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
     """forward_backward takes this rank's share of a step's global batch (micro_batch × accumulation_steps
     sequences) and runs it in accumulation_steps passes, each loss scaled by 1/accumulation_steps so the
     summed gradients are those of the global batch's mean loss; data-parallel gradients are reduced only
-    in the last pass. It returns the mean loss, unscaled (None on pipeline ranks without the last stage)."""
+    in the last pass, after which a tied embedding's copies across pipeline stages get the sum of their gradients
+    (tied.py). It returns the mean loss, unscaled (None on pipeline ranks without the last stage)."""
     parallel = config.parallel
     accumulation_steps = config.accumulation_steps
     # The model (the last pipeline stage) computes its own loss from hidden states, chunk by chunk, never holding
@@ -95,6 +100,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             wrapped.append(part)
     state_modules = [part for _, part in parts]
     autocast = _autocast(config, device)
+    tied = TiedEmbeddings(parts, parallel, mesh) if config.model.tie_embeddings and parallel.pp > 1 else None
 
     if parallel.pp == 1:
         (module,) = wrapped
@@ -156,6 +162,8 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
             for index, (pass_inputs, pass_targets) in enumerate(passes):
                 with gradients_reduced(schedule, reduced=reduces_gradients(parallel.zero, index == len(passes) - 1)):
                     run_schedule(schedule.step, pass_inputs, pass_targets, losses)
+            if tied is not None:
+                tied.sum_gradients()
             if not losses:
                 return None
             return torch.stack([loss.detach() for loss in losses]).mean() * passes_per_step
@@ -169,8 +177,9 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
                 reshard(stage_module)
             return torch.stack(losses).mean() if losses else None
 
+    copies = tied.copies if tied is not None else []
     if positions is None:
-        return ParallelModel(wrapped, forward_backward, evaluate, state_modules)
+        return ParallelModel(wrapped, forward_backward, evaluate, state_modules, copies)
 
     # Each cp rank trains on, and evaluates, its load-balanced share of every sequence.
     def context_parallel_forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -179,7 +188,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, config: RunConfig, devic
     def context_parallel_evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         return evaluate(inputs[:, positions], targets[:, positions])
 
-    return ParallelModel(wrapped, context_parallel_forward_backward, context_parallel_evaluate, state_modules)
+    return ParallelModel(wrapped, context_parallel_forward_backward, context_parallel_evaluate, state_modules, copies)
 
 
 def scale_balance_losses(modules: list[nn.Module], scale: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,10 +39,16 @@ def total_grad_norm(parameters: list[torch.nn.Parameter], mesh: ParallelMesh) ->
     return total.sqrt()
 
 
-def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float, mesh: ParallelMesh) -> float:
-    """Scale every gradient by max_norm / total if the total norm is above max_norm; returns the total."""
+def clip_gradients(
+    parameters: list[torch.nn.Parameter], max_norm: float, mesh: ParallelMesh, copies: Sequence[torch.nn.Parameter] = ()
+) -> float:
+    """Scale every gradient by max_norm / total if the total norm is above max_norm; returns the total. `copies`
+    repeat other parameters (a tied embedding's copy on the last pipeline stage): their gradients are scaled too
+    but counted once, as the one parameter of a single process."""
+    left_out = {id(copy) for copy in copies}
+    counted = [parameter for parameter in parameters if id(parameter) not in left_out]
     # The one device-to-host sync of the step: the value is reported anyway.
-    total = total_grad_norm(parameters, mesh).item()
+    total = total_grad_norm(counted, mesh).item()
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for parameter in parameters:

@@ -269,7 +269,8 @@ def describe_search(result: SearchResult) -> str:
             counts,
             "Fastest layouts that fit\n" + table(SEARCH_COLUMNS, fastest),
             "Pareto frontier: less memory costs speed\n" + table(SEARCH_COLUMNS, front),
-            "runnable: whether loom's trainer runs the layout today (some it only plans: tied embeddings over stages)",
+            "runnable: whether loom's trainer runs the layout today (some it only plans: expert parallelism across "
+            "replicas with an ep that does not divide dp_shard × cp, optimizer offload, expert capacity under cp)",
         ]
     )
 

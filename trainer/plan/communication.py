@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from trainer.plan.hardware import LINK_EFFICIENCY, ClusterSpec
 from trainer.plan.layout import PLACEMENT, Layout
+from trainer.plan.parameters import BlockKind
 
 # Traffic between dependent matmuls inside a layer: compute never hides it.
 IN_LAYER_KINDS = ("tp", "cp", "ep")
@@ -130,15 +131,17 @@ def step_traffic(
     layout: Layout,
     cluster: ClusterSpec,
     state_elements: int,
-    rank_layers: int,
+    kinds: list[BlockKind],
     holds_embedding: bool,
     holds_output: bool,
     expert_elements: int = 0,
 ) -> list[Traffic]:
     """Every kind of traffic one rank takes part in during a step. state_elements counts the
     parameters the rank holds before sharding (after tp, pp, ep), expert_elements those of them that are
-    experts split by expert parallelism; rank_layers its blocks."""
+    experts split by expert parallelism; kinds its blocks."""
     parallel, model = layout.parallel, layout.model
+    rank_layers = sum(kind.layers for kind in kinds)
+    moe_layers = sum(kind.layers for kind in kinds if kind.model.experts > 1)
     gpn = cluster.gpus_per_node
     group = groups(layout)
     # Every pass of an accumulating step repeats its microbatches' in-pass traffic.
@@ -178,10 +181,11 @@ def step_traffic(
         # the embedding and the output add one each way. Megatron hides the backward ones (`expose`).
         ends = (1 if holds_embedding else 0) + (1 if holds_output else 0)
         per_block = 4 + 2 * repeats
+        per_moe_block = per_block
         if moe_reduces_its_own(layout):
             # Only attention all-reduces, forward, backward and once more if recomputed.
-            per_block = 2 + (2 * repeats - (1 if recompute == "full" else 0))
-        everything = m * (rank_layers * per_block + ends)
+            per_moe_block = 2 + (2 * repeats - (1 if recompute == "full" else 0))
+        everything = m * ((rank_layers - moe_layers) * per_block + moe_layers * per_moe_block + ends)
         backward = m * rank_layers * 2 if layout.runtime == "megatron" else 0
         if parallel.sequence_parallel:
             for op, note in (
@@ -210,7 +214,7 @@ def step_traffic(
             )
     if parallel.tp > 1 and model.experts > 1 and layout.runtime == "loom":
         for op, buffer, calls, note in moe_tensor_parallel_collectives(layout, sbh, recompute == "full"):
-            add("tp", op, "tp", buffer, m * rank_layers * calls, note)
+            add("tp", op, "tp", buffer, m * moe_layers * calls, note)
     if parallel.cp > 1:
         head_dim = model.dim // model.heads
         kv = 2 * model.seq_len * layout.micro_seqs * model.kv_heads * head_dim / parallel.tp * e
@@ -218,14 +222,32 @@ def step_traffic(
         add("cp", "reduce_scatter", "cp", kv, m * rank_layers, "their gradients back to their owners")
     if model.experts > 1 and parallel.ep > 1:
         tokens = layout.local_seq * layout.micro_seqs * model.dim * e * model.top_k
-        add("ep", "all_to_all", "ep", tokens, m * rank_layers * (4 + 2 * repeats), "dispatch and combine, both ways")
+        add("ep", "all_to_all", "ep", tokens, m * moe_layers * (4 + 2 * repeats), "dispatch and combine, both ways")
     traffic += data_parallel_traffic(layout, group, gpn, state_elements, c, expert_elements)
     if parallel.pp > 1:
         split = parallel.tp if parallel.sequence_parallel and parallel.tp > 1 else 1
         message = sbh / split
         add("pp", "send", "pp", message, 2 * m * layout.stages_per_rank, "activations forward, gradients backward")
+    traffic += tied_embedding_traffic(layout, group["pp"], gpn, holds_embedding, holds_output)
     time_traffic(traffic, cluster)
     return traffic
+
+
+def tied_embedding_traffic(
+    layout: Layout, pipeline: Group, gpn: int, holds_embedding: bool, holds_output: bool
+) -> list[Traffic]:
+    """The all-reduce that gives a tied embedding's two copies, on the first and the last pipeline rank, the sum of
+    their gradients once a step, after the data-parallel reductions (trainer/parallel/tied.py): the rank's part of
+    the vocab × dim gradient, split over the vocabulary by tp and, where gradients are sharded, over the sharding
+    ranks. None where one rank holds both (a single stage, V schedules)."""
+    model, parallel = layout.model, layout.parallel
+    if not model.tie_embeddings or holds_embedding == holds_output:
+        return []
+    gradient_bytes = 4 if layout.keeps_fp32_master_parameters else layout.compute_bytes
+    sharding = parallel.sharding_ranks if layout.zero_at_rest >= 2 else 1
+    buffer = gradient_bytes * model.vocab * model.dim / parallel.tp / sharding
+    note = "tied embeddings: the first and the last stage's gradients of the shared matrix, summed"
+    return [Traffic("pp", "all_reduce", "pp", 2, buffer, 1, pipeline.crosses_nodes(gpn), note=note)]
 
 
 def moe_reduces_its_own(layout: Layout) -> bool:

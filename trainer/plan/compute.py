@@ -22,6 +22,7 @@ their casts, and everything else as bf16.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainer.config import ModelConfig
@@ -29,12 +30,13 @@ from trainer.plan.hardware import ClusterSpec
 from trainer.plan.kernel_time import attention_seconds, gemm_seconds, memory_seconds
 from trainer.plan.layout import Layout
 from trainer.plan.parameters import (
+    BlockKind,
     ParameterTensor,
     block_tensors,
+    held_block_kinds,
     held_layers,
     held_tensors,
     last_stage_tensors,
-    recomputed_layers,
 )
 from trainer.plan.passes import block_pass_bytes
 
@@ -296,39 +298,35 @@ def block_compute(layout: Layout, cluster: ClusterSpec) -> BlockCompute:
     )
 
 
-def stages_compute(
-    layout: Layout, cluster: ClusterSpec, stages: list[int], block: BlockCompute | None = None
-) -> RankCompute:
-    """One microbatch through these global stages (a pipeline rank's, or a single one); `block` is
-    `block_compute` of the layout, computed here unless given."""
-    model, parallel = layout.model, layout.parallel
-    tp = parallel.tp
-    tokens = layout.micro_seqs * layout.local_seq
-    layers = held_layers(model, layout.total_stages, stages)
-    holds_output = layout.total_stages - 1 in stages
-    block = block or block_compute(layout, cluster)
-    matmul = block.matmul_elements * layers
-    if holds_output:
-        matmul += _matmul_elements(last_stage_tensors(model, layout.total_stages), model)
-    matmul /= tp
-    if model.tie_embeddings and layout.total_stages == 1:
-        matmul += model.vocab * model.dim / tp
-    attention = layers * model.dim * model.seq_len / tp
-    forward_flops = tokens * (2 * matmul + 4 * attention)
+@dataclass(frozen=True)
+class BlocksWork:
+    """What a rank's blocks of one kind compute for one microbatch."""
+
+    matmul_elements: float
+    forward: KernelTime
+    input_gradients: KernelTime
+    weight_gradients: KernelTime
+    repeated_flops: float
+    recomputed: KernelTime
+
+
+def blocks_work(layout: Layout, pricer: KernelPricer, kind: BlockKind, block: BlockCompute, tokens: int) -> BlocksWork:
+    """`kind`'s blocks in `layout` (the layout of their own model): every block's kernels, and what recompute
+    repeats (with compute.recompute_every N > 1 in every N-th block only)."""
+    model, tp = layout.model, layout.parallel.tp
+    layers = kind.layers
     head_dim = model.dim // model.heads
     recompute = layout.config.compute.recompute
-    pricer = KernelPricer(layout, cluster)
     attention_linear, mlp_linear, core = block.attention_linear, block.mlp_linear, block.core
-
+    attention = layers * model.dim * model.seq_len / tp
     forward = (attention_linear[0] + mlp_linear[0] + core + block.memory) * layers
     input_gradients = (
         attention_linear[1] + mlp_linear[1] + block.core_backward + block.memory * BACKWARD_MEMORY_FACTOR
     ) * layers
     weight_gradients = (attention_linear[2] + mlp_linear[2]) * layers
-    # With compute.recompute_every N > 1 only every N-th block recomputes: a share of the layers' repeated work.
-    share = recomputed_layers(model, layout.total_stages, stages, layout.config.compute) / layers if layers else 0.0
+    share = kind.recomputed(layout.config.compute) / layers if layers else 0.0
     if recompute == "full":
-        repeated, recomputed = forward_flops, forward
+        repeated, recomputed = tokens * (2 * block.matmul_elements * layers / tp + 4 * attention), forward
     elif recompute == "selective" and layout.runtime == "megatron":
         repeated, recomputed = tokens * 4 * attention, core * layers
     elif recompute == "selective" and layout.runtime == "torchtitan":
@@ -343,7 +341,48 @@ def stages_compute(
         recomputed = (attention_linear[0] + core + block.attention_memory) * layers
     else:
         repeated, recomputed = 0.0, KernelTime()
-    repeated, recomputed = repeated * share, recomputed * share
+    return BlocksWork(
+        block.matmul_elements * layers,
+        forward,
+        input_gradients,
+        weight_gradients,
+        repeated * share,
+        recomputed * share,
+    )
+
+
+def stages_compute(
+    layout: Layout,
+    cluster: ClusterSpec,
+    stages: list[int],
+    block_of: Callable[[Layout], BlockCompute] | None = None,
+) -> RankCompute:
+    """One microbatch through these global stages (a pipeline rank's, or a single one); `block_of` gives
+    `block_compute` of a layout (of the layout's blocks of one kind), computed here unless given."""
+    model, parallel = layout.model, layout.parallel
+    tp = parallel.tp
+    tokens = layout.micro_seqs * layout.local_seq
+    holds_output = layout.total_stages - 1 in stages
+    pricer = KernelPricer(layout, cluster)
+    block_of = block_of or (lambda kind_layout: block_compute(kind_layout, cluster))
+    work = [
+        blocks_work(kind_layout, pricer, kind, block_of(kind_layout), tokens)
+        for kind in held_block_kinds(model, layout.total_stages, stages)
+        for kind_layout in [layout.with_blocks(kind.model)]
+    ]
+    matmul = sum(part.matmul_elements for part in work)
+    if holds_output:
+        matmul += _matmul_elements(last_stage_tensors(model, layout.total_stages), model)
+    matmul /= tp
+    if model.tie_embeddings and layout.total_stages == 1:
+        matmul += model.vocab * model.dim / tp
+    attention = held_layers(model, layout.total_stages, stages) * model.dim * model.seq_len / tp
+    forward_flops = tokens * (2 * matmul + 4 * attention)
+    forward = sum((part.forward for part in work), KernelTime())
+    input_gradients = sum((part.input_gradients for part in work), KernelTime())
+    weight_gradients = sum((part.weight_gradients for part in work), KernelTime())
+    repeated = sum(part.repeated_flops for part in work)
+    recomputed = sum((part.recomputed for part in work), KernelTime())
     if holds_output:
         output = pricer.linear([Product("output", model.dim, model.vocab / tp, tokens)])
         logits = tokens * model.vocab / tp * 4 / pricer.activation_bytes

@@ -281,7 +281,7 @@ def rank_time_from(
         layout,
         cluster,
         unsharded,
-        held.layers,
+        held.kinds,
         held.holds_embedding,
         held.holds_output,
         expert_elements(layout, held.tensors),
@@ -303,7 +303,7 @@ def simulate_step(layout: Layout, cluster: ClusterSpec, ranks: list[RankTime], b
         forward.append(cost.forward_s * stretch)
         backward.append((cost.backward_s - cost.weight_gradient_s) * stretch)
         weight.append(cost.weight_gradient_s * stretch)
-    pp_messages = [item for item in ranks[0].traffic if item.kind == "pp"]
+    pp_messages = [item for item in ranks[0].traffic if item.kind == "pp" and item.op == "send"]
     p2p = pp_messages[0].time_s / pp_messages[0].calls if pp_messages else 0.0
     return simulate(
         parallel.pp_schedule, parallel.pp, layout.microbatches, layout.stages_per_rank, forward, backward, weight, p2p

@@ -351,7 +351,7 @@ def megatron_model(config: RunConfig) -> list[str]:
     if model.kv_heads < model.heads:
         args += ["--group-query-attention", f"--num-query-groups={model.kv_heads}"]
     args += [
-        f"--ffn-hidden-size={model.ffn}",
+        f"--ffn-hidden-size={model.dense_blocks.ffn}",
         f"--seq-length={model.seq_len}",
         f"--max-position-embeddings={model.seq_len}",
         "--tokenizer-type=NullTokenizer",
@@ -371,6 +371,11 @@ def megatron_model(config: RunConfig) -> list[str]:
         args.append("--untie-embeddings-and-output-weights")
     if model.experts > 1:
         args += [f"--num-experts={model.experts}", f"--moe-router-topk={model.top_k}"]
+        if model.dense_blocks.ffn != model.ffn:
+            args.append(f"--moe-ffn-hidden-size={model.ffn}")
+        if model.moe.dense_layers:
+            dense = model.moe.dense_layers
+            args.append(f"--moe-layer-freq=([0]*{dense}+[1]*{model.layers - dense})")
     return args
 
 

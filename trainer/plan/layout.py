@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal
 
-from trainer.config import RunConfig
+from trainer.config import ModelConfig, RunConfig
 
 # Bytes per activation element by precision; fp8 keeps matmul inputs in 1 byte (Transformer
 # Engine saves its fp8 casts for backward) and everything else in bf16.
@@ -34,6 +34,13 @@ class Layout:
     @property
     def model(self):
         return self.config.model
+
+    def with_blocks(self, model: ModelConfig) -> Layout:
+        """This layout for a model whose blocks are all `model`'s (`ModelConfig.dense_blocks`: a mixture of
+        experts' dense blocks), to price one kind of block."""
+        if model == self.model:
+            return self
+        return replace(self, config=self.config.model_copy(update={"model": model}))
 
     @property
     def parallel(self):

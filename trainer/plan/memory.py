@@ -29,11 +29,12 @@ from trainer.plan.activations import (
 )
 from trainer.plan.layout import PLACEMENT, Layout
 from trainer.plan.parameters import (
+    BlockKind,
     ParameterTensor,
+    held_block_kinds,
     held_layers,
     local_elements,
     rank_holding,
-    recomputed_layers,
     stages_of_rank,
 )
 from trainer.plan.terms import Term, count, total
@@ -280,17 +281,13 @@ def layer_activation_bytes(layout: Layout, recompute: str | None = None) -> floa
     return layer_bytes(tensors, recompute or layout.config.compute.recompute, parallel.tp, sequence_parallel)
 
 
-def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
-    """Kept activations of every layer the rank holds, times the microbatches in flight, plus the
-    last stage's logits. With compute.recompute_every N > 1 only every N-th block recomputes; the
-    others keep what they keep without recompute."""
+def kind_activations(layout: Layout, kind: BlockKind, held: float) -> tuple[float, str]:
+    """What `kind`'s blocks keep (`layout` is that of their own model) with `held` microbatches in flight, and how."""
     model, parallel = layout.model, layout.parallel
     shape = Shape.of(model, layout.local_seq, layout.micro_seqs)
     tensors = layer_tensors(layout, shape)
     recompute, tp, sp = layout.config.compute.recompute, parallel.tp, parallel.sequence_parallel and parallel.tp > 1
-    stages = stages_of_rank(parallel, pp_rank)
-    layers = held_layers(model, layout.total_stages, stages)
-    held = in_flight_microbatches(layout, pp_rank)
+    layers = kind.layers
     per_layer = layer_bytes(tensors, recompute, tp, sp)
     mode = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}[recompute]
     parts = " + ".join(f"{t.symbol}·{t.bytes_per_element:g}B" for t in kept(tensors, recompute))
@@ -302,15 +299,31 @@ def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
             f"{count(layers)} layers × {count(held)} microbatches in flight × {count(round(per_layer))} B/layer"
             f" ({mode}, {shape_text}: {parts})"
         )
-    else:
-        recomputed = recomputed_layers(model, layout.total_stages, stages, layout.config.compute)
-        whole = layer_activation_bytes(layout, "none")
-        value = (per_layer * recomputed + whole * (layers - recomputed)) * held
-        formula = (
-            f"({count(recomputed)} layers × {count(round(per_layer))} B ({mode}, every {every}th block) + "
-            f"{count(layers - recomputed)} × {count(round(whole))} B (no recompute)) × {count(held)} microbatches "
-            f"in flight ({shape_text})"
-        )
+        return value, formula
+    recomputed = kind.recomputed(layout.config.compute)
+    whole = layer_activation_bytes(layout, "none")
+    value = (per_layer * recomputed + whole * (layers - recomputed)) * held
+    formula = (
+        f"({count(recomputed)} layers × {count(round(per_layer))} B ({mode}, every {every}th block) + "
+        f"{count(layers - recomputed)} × {count(round(whole))} B (no recompute)) × {count(held)} microbatches "
+        f"in flight ({shape_text})"
+    )
+    return value, formula
+
+
+def activation_terms(layout: Layout, pp_rank: int) -> list[Term]:
+    """Kept activations of every layer the rank holds, times the microbatches in flight, plus the
+    last stage's logits. With compute.recompute_every N > 1 only every N-th block recomputes; the
+    others keep what they keep without recompute. A mixture of experts' dense blocks keep their own."""
+    stages = stages_of_rank(layout.parallel, pp_rank)
+    held = in_flight_microbatches(layout, pp_rank)
+    kinds = held_block_kinds(layout.model, layout.total_stages, stages)
+    value, formulas = 0.0, []
+    for kind in kinds:
+        kind_value, formula = kind_activations(layout.with_blocks(kind.model), kind, held)
+        value += kind_value
+        formulas.append(formula if len(kinds) == 1 else f"{'MoE' if kind.model.experts > 1 else 'dense'}: {formula}")
+    formula = " + ".join(formulas) or "no blocks on this rank"
     terms = [Term("activations", value, formula)]
     if layout.total_stages - 1 in stages:
         terms.append(logits_term(layout, held))

@@ -6,8 +6,10 @@ trainer/parallel/tensor.py (q/k/v, w1/w3 and the output split by rows, wo and w2
 the embedding by vocabulary rows, norms replicated); FSDP2 then cuts dim 0 of each tensor-parallel
 shard into sharding_ranks chunks the way torch.chunk does (ceil-sized, the last ones shorter or empty).
 
-Every block holds the same tensors, so what a rank holds is priced per kind of tensor (`held_tensors`:
-each of a block's tensors once, with the number of blocks as its copies) rather than per layer.
+Blocks come in at most two kinds (`BlockKind`): a mixture of experts' first moe.dense_layers blocks are dense, the
+rest route to experts; every block of a kind holds the same tensors, so what a rank holds is priced per kind of
+tensor (`held_tensors`: each of a kind's tensors once, with the number of its blocks as its copies) rather than
+per layer.
 """
 
 from __future__ import annotations
@@ -82,21 +84,46 @@ def stage_layers(model: ModelConfig, stages: int, stage: int) -> range:
     return stage_blocks(model.layers, stages, stage)
 
 
+@dataclass(frozen=True)
+class BlockKind:
+    """Blocks of one kind that pipeline stages hold."""
+
+    model: ModelConfig
+    """The config its blocks follow: the model's, or for a mixture of experts' dense blocks `dense_blocks`."""
+    indices: tuple[int, ...]
+
+    @property
+    def layers(self) -> int:
+        return len(self.indices)
+
+    def recomputed(self, compute: ComputeConfig) -> int:
+        """Of these blocks, those that recompute (every N-th with compute.recompute_every N)."""
+        if compute.recompute == "none":
+            return 0
+        return sum(compute.recomputes_block(index) for index in self.indices)
+
+
+def held_block_kinds(model: ModelConfig, total_stages: int, stages: list[int]) -> list[BlockKind]:
+    """The blocks these stages hold, by kind (the dense ones first); a kind none of them holds is left out, but a
+    dense model's blocks are one kind even when there are none."""
+    indices = [index for stage in stages for index in stage_blocks(model.layers, total_stages, stage)]
+    if model.experts == 1:
+        return [BlockKind(model, tuple(indices))]
+    dense = tuple(index for index in indices if not model.is_moe_block(index))
+    routed = tuple(index for index in indices if model.is_moe_block(index))
+    kinds = [BlockKind(model.dense_blocks, dense), BlockKind(model, routed)]
+    return [kind for kind in kinds if kind.indices]
+
+
+def block_kinds(model: ModelConfig) -> list[BlockKind]:
+    """Every block of the model, by kind."""
+    return held_block_kinds(model, 1, [0])
+
+
 def held_layers(model: ModelConfig, total_stages: int, stages: list[int]) -> int:
     """Blocks these pipeline stages hold between them (trainer.pipeline_split)."""
     counts = stage_block_counts(model.layers, total_stages)
     return sum(counts[stage] for stage in stages)
-
-
-def recomputed_layers(model: ModelConfig, total_stages: int, stages: list[int], compute: ComputeConfig) -> int:
-    """Blocks of these stages that recompute (all of them unless compute.recompute_every says every N-th)."""
-    if compute.recompute == "none":
-        return 0
-    if compute.recompute_every == 1:
-        return held_layers(model, total_stages, stages)
-    return sum(
-        compute.recomputes_block(index) for stage in stages for index in stage_blocks(model.layers, total_stages, stage)
-    )
 
 
 def embedding_tensor(model: ModelConfig) -> ParameterTensor:
@@ -127,9 +154,9 @@ def held_tensors(model: ModelConfig, total_stages: int, stages: list[int]) -> li
     """What these pipeline stages hold between them, by kind: the tensors of `stage_tensors`, each of
     a block's tensors once with the blocks held as its copies."""
     tensors = [embedding_tensor(model)] if 0 in stages else []
-    layers = held_layers(model, total_stages, stages)
-    if layers:
-        tensors += block_tensors(model, "*", copies=layers)
+    for kind in held_block_kinds(model, total_stages, stages):
+        if kind.layers:
+            tensors += block_tensors(kind.model, "*", copies=kind.layers)
     if total_stages - 1 in stages:
         tensors += last_stage_tensors(model, total_stages)
     return tensors
@@ -162,17 +189,26 @@ class RankHolding:
     """What one pipeline rank holds under its layout's stage placement."""
 
     stages: list[int]
-    layers: int
+    kinds: list[BlockKind]
     holds_embedding: bool
     holds_output: bool
     tensors: list[ParameterTensor]
     """By kind (`held_tensors`)."""
 
     @property
-    def signature(self) -> tuple[int, bool, bool]:
+    def layers(self) -> int:
+        return sum(kind.layers for kind in self.kinds)
+
+    def layers_like(self, kind: BlockKind) -> int:
+        """Blocks of `kind`'s kind (dense, or a mixture of experts) this rank holds."""
+        return sum(held.layers for held in self.kinds if held.model.experts == kind.model.experts)
+
+    @property
+    def signature(self) -> tuple[tuple[tuple[bool, int], ...], bool, bool]:
         """Ranks that agree on it hold the same tensors and compute, send and keep the same
         (their microbatches in flight aside)."""
-        return self.layers, self.holds_embedding, self.holds_output
+        blocks = tuple((kind.model.experts > 1, kind.layers) for kind in self.kinds)
+        return blocks, self.holds_embedding, self.holds_output
 
 
 def rank_holding(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> RankHolding:
@@ -180,7 +216,7 @@ def rank_holding(model: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> 
     total_stages = pipeline_stages(parallel)
     return RankHolding(
         stages=stages,
-        layers=held_layers(model, total_stages, stages),
+        kinds=held_block_kinds(model, total_stages, stages),
         holds_embedding=0 in stages,
         holds_output=total_stages - 1 in stages,
         tensors=held_tensors(model, total_stages, stages),
@@ -224,5 +260,6 @@ def active_parameters(model: ModelConfig) -> int:
     total = total_parameters(model)
     if model.experts == 1:
         return total
-    expert_elements = sum(t.elements for t in mlp_tensors(model, "mlp") if t.expert) * model.layers
+    moe_layers = model.layers - model.moe.dense_layers
+    expert_elements = sum(t.elements for t in mlp_tensors(model, "mlp") if t.expert) * moe_layers
     return total - expert_elements + expert_elements * model.top_k // model.experts

@@ -94,7 +94,7 @@ from trainer.config import (
 )
 from trainer.pipeline_split import splits
 from trainer.plan.communication import data_parallel_traffic, expose, groups, time_traffic
-from trainer.plan.compute import RankCompute, block_compute, model_flops_per_token, stages_compute
+from trainer.plan.compute import BlockCompute, RankCompute, block_compute, model_flops_per_token, stages_compute
 from trainer.plan.estimate import (
     RankTime,
     most_exposed_s,
@@ -123,7 +123,7 @@ from trainer.plan.memory import (
     reserved_bytes,
     state_elements,
 )
-from trainer.plan.parameters import RankHolding, rank_holding
+from trainer.plan.parameters import RankHolding, block_kinds, rank_holding
 from trainer.plan.schedule import closed_form_bubble
 from trainer.plan.terms import total
 
@@ -510,7 +510,7 @@ class HeldByRank(NamedTuple):
     """What the pipeline ranks of one placement hold under each of some pipeline choices."""
 
     layers: np.ndarray
-    """[rank]"""
+    """[kind of block (`block_kinds`), rank]"""
     in_flight: np.ndarray
     """[pipeline choice, rank]: microbatches whose activations the rank holds at its peak."""
     output_ranks: list[int]
@@ -857,9 +857,15 @@ class Pricer:
         same = (tp, cp, recompute, fused_loss, fully_shards(candidate))
         if same not in self._layer_activations:
             one_sequence = one_sequence or self._layout(candidate._replace(micro_batch=pipeline.microbatches))
-            self._layer_activations[same] = layer_activation_bytes(one_sequence)
+            self._layer_activations[same] = np.array(
+                [
+                    [layer_activation_bytes(one_sequence.with_blocks(kind.model))]
+                    for kind in block_kinds(self.space.base.model)
+                ]
+            )
         held = self._held_by_rank(candidate, pipelines)
-        kept = self._layer_activations[same] * held.layers * held.in_flight
+        per_microbatch = (self._layer_activations[same] * held.layers).sum(axis=0)
+        kept = per_microbatch * held.in_flight
         for rank in held.output_ranks:
             for index, in_flight in enumerate(held.in_flight[:, rank].tolist()):
                 key = same + (pp == 1, in_flight)
@@ -880,7 +886,10 @@ class Pricer:
                 layout = self._layout(candidate._replace(pipeline=pipeline))
                 in_flight.append([in_flight_microbatches(layout, rank) for rank in range(candidate.pp)])
             self._held[key] = HeldByRank(
-                np.array([held.layers for held in holdings], dtype=float),
+                np.array(
+                    [[held.layers_like(kind) for held in holdings] for kind in block_kinds(self.space.base.model)],
+                    dtype=float,
+                ),
                 np.array(in_flight, dtype=float),
                 [rank for rank, held in enumerate(holdings) if held.holds_output],
                 np.array([[candidate.micro_batch // pipeline.microbatches] for pipeline in pipelines], dtype=float),
@@ -908,11 +917,15 @@ class Pricer:
         )
         if key not in self._compute:
             layout = self._layout(candidate)
-            # A block's kernels are the same for every rank, recompute mode and stage placement.
-            block_key = (candidate.tp, candidate.cp, candidate.data.ep, micro_seqs)
-            if block_key not in self._blocks:
-                self._blocks[block_key] = block_compute(layout, self.cluster)
-            self._compute[key] = stages_compute(layout, self.cluster, held.stages, self._blocks[block_key])
+
+            def block_of(kind_layout: Layout) -> BlockCompute:
+                # A kind of block's kernels are the same for every rank, recompute mode and stage placement.
+                block_key = (candidate.tp, candidate.cp, candidate.data.ep, micro_seqs, kind_layout.model.experts)
+                if block_key not in self._blocks:
+                    self._blocks[block_key] = block_compute(kind_layout, self.cluster)
+                return self._blocks[block_key]
+
+            self._compute[key] = stages_compute(layout, self.cluster, held.stages, block_of)
         return self._compute[key]
 
     def _bubble(self, candidate: Candidate) -> float:
@@ -970,16 +983,19 @@ class Pricer:
             self._fewest_microbatches_busy[line] = self._fewest_microbatches_busy[shared]
         return self._fewest_microbatches_busy[line]
 
-    @staticmethod
-    def _pipeline_key(candidate: Candidate) -> tuple:
+    def _pipeline_key(self, candidate: Candidate) -> tuple:
         """The pipeline's part of the step depends on everything but the data-parallel split and
-        ZeRO stage (ep, which sizes the expert all-to-alls, stays)."""
+        ZeRO stage (ep, which sizes the expert all-to-alls, stays); with tied embeddings across
+        stages on them too, which size the shards of the gradients the first and the last stage
+        all-reduce."""
         tp, cp, pp, pipeline, data, recompute, micro_batch = candidate
+        if self.space.base.model.tie_embeddings and pp > 1:
+            return tp, cp, pp, pipeline, recompute, micro_batch, data
         return tp, cp, pp, pipeline, recompute, micro_batch, data.ep
 
     def _pipeline_part_s(self, candidate: Candidate) -> tuple[float, float]:
-        """`pipeline_seconds` and the exposed pipeline sends: the same for every data-parallel split
-        (with the same ep)."""
+        """`pipeline_seconds` and the exposed pipeline traffic: the same for every data-parallel split
+        that `_pipeline_key` leaves out."""
         key = self._pipeline_key(candidate)
         if key not in self._pipeline_s:
             ranks = self._rank_times(self._layout(candidate), candidate)

@@ -79,6 +79,13 @@ def pipeline_sends(layout: Layout, rank: int, message_bytes: float) -> list[Comm
     return sends
 
 
+def pipeline_ends(parallel: ParallelConfig, rank: int) -> tuple[int, int]:
+    """The first and the last pipeline rank at `rank`'s other coordinates: the two that sum a tied embedding's
+    gradients (trainer/parallel/tied.py)."""
+    where = rank_coordinates(parallel, rank)
+    return global_rank(parallel, where | {"pp": 0}), global_rank(parallel, where | {"pp": parallel.pp - 1})
+
+
 DEFAULT_GPUS_PER_NODE = ClusterSpec.model_fields["gpus_per_node"].default
 
 
@@ -98,7 +105,7 @@ def predicted_rows(config: RunConfig, cluster: ClusterSpec | None = None) -> lis
             layout,
             cluster,
             elements,
-            held.layers,
+            held.kinds,
             held.holds_embedding,
             held.holds_output,
             expert_elements(layout, held.tensors),
@@ -107,11 +114,13 @@ def predicted_rows(config: RunConfig, cluster: ClusterSpec | None = None) -> lis
     for rank in range(world):
         row = TrafficRow(rank, world)
         for item in by_pp_rank[rank_coordinates(parallel, rank)["pp"]]:
-            if item.kind == "pp":
+            if item.kind == "pp" and item.op == "send":
                 for op in pipeline_sends(layout, rank, item.buffer_bytes):
                     row.add(op, "pp")
                 continue
-            if item.dim in ("ep", "expert_shard"):
+            if item.kind == "pp":
+                group = pipeline_ends(parallel, rank)
+            elif item.dim in ("ep", "expert_shard"):
                 group = expert_group_members(parallel, rank, item.dim)
             else:
                 group = group_members(parallel, rank, GROUP_DIMS[item.dim])
