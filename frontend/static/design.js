@@ -108,16 +108,22 @@
   function applyPreset() {
     const model = presets[presetSelect.value];
     if (!model) return;
-    for (const [field, value] of Object.entries(model)) {
-      const input = inputFor(`model.${field}`);
-      if (input) input.value = formValue(value);
-    }
+    for (const [path, value] of presetInputs(model)) inputFor(path).value = formValue(value);
+  }
+
+  // [path, value] of each of a preset's fields that the form has an input for ("model.moe.dense_layers" too).
+  function presetInputs(fields, prefix = "model") {
+    return Object.entries(fields).flatMap(([field, value]) => {
+      const path = `${prefix}.${field}`;
+      if (value !== null && typeof value === "object") return presetInputs(value, path);
+      return inputFor(path) ? [[path, value]] : [];
+    });
   }
 
   // The preset whose fields the model inputs hold, or "" (custom).
   function matchingPreset() {
-    const model = currentRequest().config.model;
-    const matches = ([, fields]) => Object.entries(fields).every(([field, value]) => model[field] === value);
+    const config = currentRequest().config;
+    const matches = ([, fields]) => presetInputs(fields).every(([path, value]) => getPath(config, path) === value);
     const found = Object.entries(presets).find(matches);
     return found ? found[0] : "";
   }

@@ -308,3 +308,24 @@ def test_launch_creates_the_run_with_its_estimate_and_its_page_compares_them(liv
     measured = page.evaluate("window.loomRun.measured")
     assert measured["peakMemoryBytes"] > 0 and sorted(measured["tokensPerSByRank"]) == ["0", "1"]
     page.screenshot(path=RUN_SCREENSHOT, full_page=True)
+
+
+def test_a_mixture_of_experts_can_keep_its_first_blocks_dense_and_a_preset_sets_them_back(designer):
+    page = designer
+    page.select_option("#design-preset", "mixtral-8x7b")
+    wait_for_estimate(page, "estimate.config.model.experts === 8")
+    experts_only = page.evaluate("window.loomDesign.estimate.memory.peak_bytes")
+    # DeepSeek-V3's first blocks: dense, and wider than an expert.
+    set_field(page, "model.moe.dense_layers", "3")
+    set_field(page, "model.moe.dense_ffn", "28672")
+    wait_for_estimate(page, "estimate.config.model.moe.dense_layers === 3 && estimate.config.model.moe.dense_ffn")
+    expect(page.locator("#design-preset")).to_have_value("")
+    # Three dense blocks hold far less than three of eight experts each.
+    assert page.evaluate("window.loomDesign.estimate.memory.peak_bytes") < experts_only
+    set_field(page, "model.moe.dense_layers", "32")
+    expect(field_error(page, "model.moe.dense_layers")).to_contain_text("below model.layers=32")
+    page.select_option("#design-preset", "mixtral-8x7b")
+    expect(page.locator('[data-path="model.moe.dense_layers"]')).to_have_value("0")
+    expect(page.locator('[data-path="model.moe.dense_ffn"]')).to_have_value("")
+    wait_for_estimate(page, "estimate.config.model.moe.dense_layers === 0")
+    expect(page.locator("#design-preset")).to_have_value("mixtral-8x7b")

@@ -15,6 +15,9 @@ CLUSTER_LABELS = {"cluster.gpu": "GPU", "cluster.nodes": "Nodes", "cluster.gpus_
 PLANNER_LABELS = {
     "model.rope_theta": "RoPE base (theta)",
     "data.global_batch": "Global batch (sequences per step; empty: one pass)",
+    "model.moe.shared_expert": "Shared expert",
+    "model.moe.dense_layers": "Dense blocks first",
+    "model.moe.dense_ffn": "Their feed-forward size (empty: ffn)",
 }
 
 # (section heading, [field path]): paths under "cluster." are ClusterSpec fields, the others
@@ -31,6 +34,9 @@ DESIGN_SECTIONS = [
             "model.tie_embeddings",
             "model.experts",
             "model.top_k",
+            "model.moe.shared_expert",
+            "model.moe.dense_layers",
+            "model.moe.dense_ffn",
         ],
     ),
     ("Parallelism", [*PARALLEL_PATHS, "parallel.zero_stage", "parallel.ep"]),
