@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = document(model, shape["seq_len"], shape["micro_batch"], precision)
             planned = estimate(spec, cluster, timeline=False)
             started = time.monotonic()
-            row = run_case(spec, Path(scratch) / name, 90)
+            row = run_case(spec, Path(scratch) / name, 60)
             row |= {
                 "model": model,
                 "launch_s": time.monotonic() - started,

@@ -1,6 +1,6 @@
 """Everything loom measures on a GPU, in one command: run it first whenever a GPU is at hand.
 
-    python benchmarks/gpu/run.py OUTDIR             # on a machine with one GPU, inside 9.5 minutes on an H100
+    python benchmarks/gpu/run.py OUTDIR             # on a machine with one GPU, inside 8 minutes on an H100
     python benchmarks/gpu/run.py OUTDIR --dry-run   # on CPU, tiny sizes: checks the script's own wiring (CI)
 
 Parts, in order, each a subprocess with its own time cap whose output goes to OUTDIR/<part>.log:
@@ -69,14 +69,14 @@ def parts(out: Path, gpu: str, dry_run: bool) -> list[tuple[str, list[list[str]]
         "tests/trainer/test_kernels.py",
     ]
     throughput = ["--config", "tiny", "--steps", "2"] if dry_run else ["--config", "1b"]
-    memory = [python, "benchmarks/gpu/memory_check.py", str(out / "memory.json"), "--gpu", gpu, "--budget-s", "110"]
+    memory = [python, "benchmarks/gpu/memory_check.py", str(out / "memory.json"), "--gpu", gpu, "--budget-s", "100"]
     return [
         (
             "gemm",
             [[python, "benchmarks/gpu/gemm_sweep.py", str(out / "gemm.json"), "--gpu", gpu, "--budget-s", "60", *flag]],
             75,
         ),
-        ("memory", [memory + flag], 120),
+        ("memory", [memory + flag], 110),
         (
             "throughput",
             [
@@ -84,12 +84,12 @@ def parts(out: Path, gpu: str, dry_run: bool) -> list[tuple[str, list[list[str]]
                 [python, "benchmarks/gpu/fp8_check.py", *flag],
                 [python, "benchmarks/gpu/moe_check.py", "--gpu", gpu, *flag],
             ],
-            195,
+            150,
         ),
         (
             "kernels",
             [pytest + (["--collect-only"] if dry_run else []), [python, "benchmarks/kernels.py", *flag]],
-            120,
+            100,
         ),
         ("profile", [[python, "benchmarks/gpu/profile_step.py", "--gpu", gpu, *flag]], 45),
     ]
