@@ -110,11 +110,13 @@ EXPERT_LAYOUTS = {
 # ZeRO-1 and 2 on FSDP2 hold the parameters whole through a pass; only gradient accumulation tells them apart
 # (ZeRO-1 keeps whole gradients and the gathered parameters from pass to pass, ZeRO-2 reduce-scatters every pass's),
 # so each accumulates over two passes, and the data-parallel traffic those choices change is held to the planner's.
+# ZeRO-3 joins them under a pipeline, whose inner passes leave the stages' parameters gathered into the next.
 ZERO_LAYOUTS = {
     "fsdp2_zero1_accumulate2": layout(2, accumulation=2, dp_shard=2, zero_stage=1),
     "hsdp2x2_zero2_accumulate2": layout(4, accumulation=2, dp_replicate=2, dp_shard=2, zero_stage=2),
     "fsdp2xpp2_zero1_accumulate2": layout(2, accumulation=2, dp_shard=2, pp=2, microbatches=2, zero_stage=1),
     "fsdp2xpp2_zero2_accumulate2": layout(2, accumulation=2, dp_shard=2, pp=2, microbatches=2, zero_stage=2),
+    "fsdp2xpp2_zero3_accumulate2": layout(2, accumulation=2, dp_shard=2, pp=2, microbatches=2, zero_stage=3),
 }
 
 

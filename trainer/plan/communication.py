@@ -329,6 +329,10 @@ def data_parallel_traffic(
         gathers = m + 1 if parallel.reshards_after_forward else 1
         before = "before forward" + (" and backward" if gathers > 1 else "")
         every = " in every pass" if passes > 1 else ""
+        if gathered_between_passes(layout):
+            # A step gathers once less in every pass after the first, counted here as a fraction of each pass.
+            gathers -= (passes - 1) / passes
+            every = f" in every pass, the first's kept gathered into the next {passes - 1}"
         who = "FSDP" if zero == 3 else f"ZeRO-{zero} on FSDP"
         replicas_every_pass = zero == 2
         for dim, count, whose in shards:
@@ -350,6 +354,14 @@ def data_parallel_traffic(
         across = f"HSDP: each shard's gradients across replicas{every if replicas_every_pass else once}"
         add("all_reduce", "dp_replicate", shard_bytes, 1, across, every_pass=replicas_every_pass)
     return traffic
+
+
+def gathered_between_passes(layout: Layout) -> bool:
+    """Whether loom's ZeRO-3 keeps a pipeline stage's parameters gathered from one accumulation pass to the next: a
+    pass that does not reduce leaves out the schedule's end-of-run action (trainer/parallel/pipeline.py), which also
+    reshards, so the next pass starts with them whole."""
+    parallel = layout.parallel
+    return layout.runtime == "loom" and parallel.zero == 3 and parallel.pp > 1 and layout.accumulation_steps > 1
 
 
 def expose(

@@ -27,6 +27,7 @@ from trainer.plan.activations import (
     megatron_layer,
     torchtitan_per_op_layer,
 )
+from trainer.plan.communication import gathered_between_passes
 from trainer.plan.layout import PLACEMENT, Layout
 from trainer.plan.parameters import (
     BlockKind,
@@ -194,7 +195,7 @@ def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[
     if block_by_block:
         per_layer = elements.unsharded / max(rank_layers, 1)
         reduce_bytes = c + (4 if c != 4 else 0)
-        if parallel.reshards_after_forward:
+        if parallel.reshards_after_forward and not gathered_between_passes(layout):
             terms.append(
                 Term(
                     "FSDP gathered parameters",
@@ -207,6 +208,8 @@ def buffer_terms(layout: Layout, pp_rank: int, elements: StateElements) -> list[
                 1: "gathered once per step, held through every pass",
                 2: "gathered once per pass, held through it",
             }.get(parallel.zero, "every block stays gathered from forward to backward")
+            if gathered_between_passes(layout):
+                held = "a pipeline's inner accumulation passes leave every block gathered into the next"
             terms.append(
                 Term("FSDP gathered parameters", c * elements.unsharded, f"{held}: {c} B × {count(elements.unsharded)}")
             )

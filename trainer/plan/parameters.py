@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 from trainer.config import V_SCHEDULES, ComputeConfig, ModelConfig, ParallelConfig
 from trainer.pipeline_split import stage_block_counts, stage_blocks
@@ -195,7 +195,7 @@ class RankHolding:
     tensors: list[ParameterTensor]
     """By kind (`held_tensors`)."""
 
-    @property
+    @cached_property
     def layers(self) -> int:
         return sum(kind.layers for kind in self.kinds)
 
@@ -203,7 +203,7 @@ class RankHolding:
         """Blocks of `kind`'s kind (dense, or a mixture of experts) this rank holds."""
         return sum(held.layers for held in self.kinds if held.model.experts == kind.model.experts)
 
-    @property
+    @cached_property
     def signature(self) -> tuple[tuple[tuple[bool, int], ...], bool, bool]:
         """Ranks that agree on it hold the same tensors and compute, send and keep the same
         (their microbatches in flight aside)."""
