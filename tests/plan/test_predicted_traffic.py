@@ -3,6 +3,7 @@
 import pytest
 
 from tests.hybrid import hybrid_config
+from tests.traffic_agreement import assert_traffic_agrees, talking
 from tests.trainer.torchrun import run_trainer
 from trainer.config import parse_config
 from trainer.plan.traffic import predicted_matrix
@@ -31,17 +32,12 @@ def predicted():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_same_pairs_talk(kind, measured, predicted):
-    pairs = lambda matrix: {(i, j) for i, row in enumerate(matrix) for j, value in enumerate(row) if value}  # noqa: E731
-    assert pairs(predicted[kind]) == pairs(measured[kind])
+    assert talking(predicted[kind]) == talking(measured[kind])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_volumes_agree_within_ten_percent(kind, measured, predicted):
-    for source, row in enumerate(measured[kind]):
-        for destination, nbytes in enumerate(row):
-            if nbytes:
-                expected = predicted[kind][source][destination]
-                assert abs(expected - nbytes) <= 0.1 * nbytes, (kind, source, destination, expected, nbytes)
+    assert_traffic_agrees(measured[kind], predicted[kind])
 
 
 # Tied embeddings across the two stages: besides the sends, the first and the last pipeline rank all-reduce their
@@ -59,12 +55,9 @@ def measured_tied(tmp_path_factory):
 def test_a_tied_pipelines_traffic_is_what_the_planner_predicts(measured_tied, measured, predicted):
     tied = predicted_matrix(parse_config(TIED_RUN)).by_kind
     for kind in KINDS:
-        for source, row in enumerate(measured_tied[kind]):
-            for destination, nbytes in enumerate(row):
-                expected = tied[kind][source][destination]
-                assert abs(expected - nbytes) <= 0.1 * max(nbytes, expected), (kind, source, destination, nbytes)
+        assert_traffic_agrees(measured_tied[kind], tied[kind])
     # What the tie adds on its own: the all-reduce between the ranks that send each other activations.
-    pipeline_pairs = [(i, j) for i, row in enumerate(tied["pp"]) for j, nbytes in enumerate(row) if nbytes]
+    pipeline_pairs = talking(tied["pp"])
     assert len(pipeline_pairs) == 8
     for source, destination in pipeline_pairs:
         added = measured_tied["pp"][source][destination] - measured["pp"][source][destination]
@@ -109,12 +102,8 @@ def measured_expert_traffic(tmp_path_factory):
 )
 def test_an_expert_parallel_runs_traffic_is_what_the_planner_predicts(kind, pairs, measured_expert_traffic):
     measured = measured_expert_traffic[kind]
-    predicted = predicted_matrix(parse_config(EXPERT_RUN)).by_kind[kind]
-    talking = {(i, j) for i, row in enumerate(measured) for j, value in enumerate(row) if value}
-    assert talking == pairs
-    for source, destination in talking:
-        nbytes = measured[source][destination]
-        assert abs(predicted[source][destination] - nbytes) <= 0.1 * nbytes, (source, destination, nbytes)
+    assert talking(measured) == pairs
+    assert_traffic_agrees(measured, predicted_matrix(parse_config(EXPERT_RUN)).by_kind[kind])
 
 
 # A mixture of experts under tensor parallelism gathers every rank's routing and runs its slice of the experts on
@@ -134,10 +123,8 @@ def tensor_parallel_experts_run(request, tmp_path_factory):
 
 def test_a_tensor_parallel_mixture_of_experts_moves_what_the_planner_predicts(tensor_parallel_experts_run):
     document, measured = tensor_parallel_experts_run
-    predicted = predicted_matrix(parse_config(document)).by_kind["tp"]
-    for source, destination in ((0, 1), (1, 0)):
-        nbytes = measured[source][destination]
-        assert abs(predicted[source][destination] - nbytes) <= 0.1 * nbytes, (source, destination, nbytes)
+    assert talking(measured) == {(0, 1), (1, 0)}
+    assert_traffic_agrees(measured, predicted_matrix(parse_config(document)).by_kind["tp"])
 
 
 def test_expert_parallelism_beside_tensor_parallelism_moves_what_the_planner_predicts(tmp_path):
@@ -150,8 +137,5 @@ def test_expert_parallelism_beside_tensor_parallelism_moves_what_the_planner_pre
     measured = run.traffic_per_step(("ep", "dp", "tp"), after_step=1, steps=STEPS)
     predicted = predicted_matrix(parse_config(document)).by_kind
     for kind, matrix in measured.items():
-        talking = {(i, j) for i, row in enumerate(matrix) for j, nbytes in enumerate(row) if nbytes}
-        assert talking == {(i, j) for i, row in enumerate(predicted[kind]) for j, nbytes in enumerate(row) if nbytes}
-        for source, destination in talking:
-            nbytes = matrix[source][destination]
-            assert abs(predicted[kind][source][destination] - nbytes) <= 0.1 * nbytes, (kind, source, destination)
+        assert talking(matrix) == talking(predicted[kind]), kind
+        assert_traffic_agrees(matrix, predicted[kind])

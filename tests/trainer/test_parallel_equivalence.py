@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.traffic_agreement import assert_traffic_agrees
 from trainer.config import parse_config
 from trainer.plan.layout import Layout
 from trainer.plan.memory import state_bytes_of_rank
@@ -160,10 +161,7 @@ def test_zero_layout_matches_a_single_process_and_moves_what_the_planner_predict
     measured = run.traffic_per_step(("dp",), after_step=1, steps=STEPS)["dp"]
     predicted = predicted_matrix(parse_config(document)).by_kind["dp"]
     # Besides the planner's collectives, a step all-reduces a few scalars (loss, gradient norm) over the data ranks.
-    for source, row in enumerate(measured):
-        for destination, nbytes in enumerate(row):
-            expected = predicted[source][destination]
-            assert abs(expected - nbytes) <= max(0.1 * expected, 1024), (source, destination, nbytes, expected)
+    assert_traffic_agrees(measured, predicted, slack_bytes=1024)
 
 
 # The Triton kernels (interpreted on CPU) on the local shards and chunks that tensor, sequence, context and pipeline

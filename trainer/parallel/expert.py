@@ -8,13 +8,15 @@ data-parallel ranks, not only by those that hold that expert."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Placement, Shard, distribute_tensor
 
 from trainer.config import ParallelConfig
 from trainer.model import Transformer
@@ -39,11 +41,15 @@ def apply_expert_parallel(model: Transformer, experts_mesh: DeviceMesh) -> None:
     split_columns = experts_mesh["tp"].size() > 1
     mesh = experts_mesh["ep", "tp"] if split_columns else ep_mesh
     for moe in moe_blocks(model):
-        for name, parameter in list(moe.experts.named_parameters()):
-            placements = [Shard(0), Shard(HIDDEN_DIM[name])] if split_columns else [Shard(0)]
-            sharded = distribute_tensor(parameter.data, mesh, placements)
-            setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=parameter.requires_grad))
+        distribute_experts(moe, mesh, lambda name: [Shard(0), Shard(HIDDEN_DIM[name])] if split_columns else [Shard(0)])
         moe.dispatch = AllToAllDispatch(moe.experts, ep_mesh)
+
+
+def distribute_experts(moe: MoEFeedForward, mesh: DeviceMesh, placements: Callable[[str], list[Placement]]) -> None:
+    """Make each of the block's expert weights a DTensor over `mesh`, placed as `placements` says for its name."""
+    for name, parameter in list(moe.experts.named_parameters()):
+        distributed = distribute_tensor(parameter.data, mesh, placements(name))
+        setattr(moe.experts, name, nn.Parameter(distributed, requires_grad=parameter.requires_grad))
 
 
 def shard_experts(

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
 from trainer.model import Transformer
 from trainer.moe import MoEFeedForward
 
-from .expert import HIDDEN_DIM, moe_blocks
+from .expert import HIDDEN_DIM, distribute_experts, moe_blocks
 from .local_kernels import local_part
 
 
@@ -57,9 +57,7 @@ def split_expert_columns(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Without expert parallelism (which splits them over ep and tp at once), each rank keeps its columns of every
     expert."""
     for moe in moe_blocks(model):
-        for name, parameter in list(moe.experts.named_parameters()):
-            split = distribute_tensor(parameter.data, tp_mesh, [Shard(HIDDEN_DIM[name])])
-            setattr(moe.experts, name, nn.Parameter(split, requires_grad=parameter.requires_grad))
+        distribute_experts(moe, tp_mesh, lambda name: [Shard(HIDDEN_DIM[name])])
 
 
 def gather_sequence(part: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

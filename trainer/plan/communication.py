@@ -212,7 +212,7 @@ def step_traffic(
                 "before q/k/v and w1/w3 backward, beside the weight gradients",
                 overlapped=True,
             )
-    if parallel.tp > 1 and model.experts > 1 and layout.runtime == "loom":
+    if loom_experts_under_tp(layout):
         for op, buffer, calls, note in moe_tensor_parallel_collectives(layout, sbh, recompute == "full"):
             add("tp", op, "tp", buffer, m * moe_layers * calls, note)
     if parallel.cp > 1:
@@ -253,8 +253,12 @@ def tied_embedding_traffic(
 def moe_reduces_its_own(layout: Layout) -> bool:
     """Whether loom's mixture-of-experts block does its own tensor-parallel collectives in place of the dense MLP's
     all-reduces: without sequence parallelism (with it, its routed experts move what a dense MLP moves)."""
-    parallel = layout.parallel
-    return layout.runtime == "loom" and layout.model.experts > 1 and parallel.tp > 1 and not parallel.sequence_parallel
+    return loom_experts_under_tp(layout) and not layout.parallel.sequence_parallel
+
+
+def loom_experts_under_tp(layout: Layout) -> bool:
+    """Whether loom's trainer runs a mixture of experts under tensor parallelism (trainer/parallel/moe_tensor.py)."""
+    return layout.runtime == "loom" and layout.model.experts > 1 and layout.parallel.tp > 1
 
 
 def moe_tensor_parallel_collectives(
