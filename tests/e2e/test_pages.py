@@ -232,6 +232,8 @@ def test_valid_form_creates_the_run_and_opens_its_page(logged_in, ada):
             "bias_update_rate": 0.0,
             "shared_expert": False,
             "capacity_factor": None,
+            "dense_layers": 0,
+            "dense_ffn": None,
         },
         "rope_theta": 10000.0,
         "norm_eps": 1e-5,
