@@ -56,8 +56,9 @@ GPT_VOCAB = 51_200
 LLAMA3_VOCAB = 128_256
 LLAMA2_VOCAB = 32_000
 TORCHTITAN_GPU = (
-    "cluster: H100-HBM2e, the source's H100s with 96 GB HBM2e at 2.4 TB/s; their 500 W power limit (the SXM's is "
-    "700 W) is not modelled"
+    "cluster: H100-HBM2e, the source's H100s with 96 GB HBM2e at 2.4 TB/s on a 500 W power limit; the source puts "
+    "their peak between the H100 SXM's and the H100 NVL's without knowing it: priced linear in the power limit "
+    "between the two datasheets (886 TFLOP/s bf16)"
 )
 TORCHTITAN_ATTENTION = (
     "attention: FlashAttention-2, what PyTorch's SDPA ran on Hopper then (cuDNN attention was opt-in: "

@@ -9,6 +9,7 @@ import pytest
 from trainer.config import ConfigError, parse_config
 from trainer.plan.activations import Shape, layer_bytes, megatron_layer
 from trainer.plan.estimate import estimate, parse_plan
+from trainer.plan.hardware import GPU_TYPES, by_power_limit
 from trainer.plan.layout import Layout
 from trainer.plan.memory import (
     activation_terms,
@@ -291,3 +292,18 @@ def test_one_replica_holds_only_the_gradients_backward_has_made_at_its_peak():
         assert alone["gradients"] == max(min(output, every_gradient), every_gradient - freed)
     # DDP's buckets and their reduction keep every gradient.
     assert replicated["gradients"] == 4 * total_parameters(parse_config({"model": SMALL_MODEL}, runnable=False).model)
+
+
+def test_a_power_limited_h100_is_priced_between_the_nvl_and_the_sxm_by_its_limit():
+    """torchtitan's H100s at 500 W: a third of the way from the NVL's 400 W datasheet to the SXM's 700 W one. Every
+    kernel of a step on it takes longer than on an SXM by the ratio of the peaks (bound by compute) or of the memory
+    bandwidths (2.4 TB/s of HBM2e against 3.35: bound by memory), so the step by a ratio between the two."""
+    limited, sxm = GPU_TYPES["H100-HBM2e"], GPU_TYPES["H100-SXM"]
+    assert limited.peak_bf16_flops == pytest.approx(835e12 + (989e12 - 835e12) / 3)
+    assert limited.peak_fp8_flops == pytest.approx(1670e12 + (1979e12 - 1670e12) / 3)
+    assert by_power_limit(400, 1.0, 2.0) == 1.0 and by_power_limit(700, 1.0, 2.0) == 2.0
+    document = {"model": {"preset": "llama3-8b"}, "parallel": {"dp_shard": 8}, "data": {"micro_batch": 2}}
+    slower = estimate(document, {"gpu": "H100-HBM2e"}, timeline=False).step_s
+    faster = estimate(document, {"gpu": "H100-SXM"}, timeline=False).step_s
+    peaks = sxm.peak_bf16_flops / limited.peak_bf16_flops
+    assert peaks < slower / faster < sxm.memory_bandwidth / limited.memory_bandwidth

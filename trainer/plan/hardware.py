@@ -60,6 +60,15 @@ class GpuType:
     """Bytes per second per GPU per direction over the network."""
 
 
+# The H100 NVL's and the H100 SXM's power limits: the same 132 multiprocessors, clocked for 400 W and for 700 W.
+NVL_WATTS, SXM_WATTS = 400, 700
+
+
+def by_power_limit(watts: float, at_nvl_watts: float, at_sxm_watts: float) -> float:
+    """A datasheet figure of an H100 held to `watts`, linear between the NVL's and the SXM's."""
+    return at_nvl_watts + (at_sxm_watts - at_nvl_watts) * (watts - NVL_WATTS) / (SXM_WATTS - NVL_WATTS)
+
+
 GPU_TYPES: dict[str, GpuType] = {
     gpu.name: gpu
     for gpu in (
@@ -71,9 +80,22 @@ GPU_TYPES: dict[str, GpuType] = {
         GpuType(
             "H100-SXM", 989e12, 1979e12, 67e12, 81_559 * MIB, 3.35e12, 0.69, 0.62, 0.55, 0.33, 132, 450 * GB, 50 * GB
         ),
-        # The H100 with 96 GB of HBM2e at 2.4 TB/s (torchtitan's published runs, on a 500 W power limit this does not
-        # model): the SXM's compute, its own memory. What its driver exposes is not known here: 96 GB as sold.
-        GpuType("H100-HBM2e", 989e12, 1979e12, 67e12, 96 * GB, 2.4e12, 0.69, 0.62, 0.55, 0.33, 132, 450 * GB, 50 * GB),
+        # The H100 with 96 GB of HBM2e at 2.4 TB/s that torchtitan's published runs had, on a 500 W power limit. Its
+        # authors put its peak "between SXM and NVL" and do not know it; priced here by the power limit, linear between
+        # the two datasheets (an assumption, not a measurement). What its driver exposes is not known: 96 GB as sold.
+        GpuType(
+            "H100-HBM2e",
+            *(by_power_limit(500, nvl, sxm) for nvl, sxm in ((835e12, 989e12), (1670e12, 1979e12), (60e12, 67e12))),
+            96 * GB,
+            2.4e12,
+            0.69,
+            0.62,
+            0.55,
+            0.33,
+            132,
+            450 * GB,
+            50 * GB,
+        ),
         # Not measured: the SXM's figures, on the PCIe card's own peak and 114 multiprocessors.
         GpuType(
             "H100-PCIe", 756e12, 1513e12, 51e12, 81_559 * MIB, 2.0e12, 0.69, 0.62, 0.55, 0.33, 114, 64 * GB, 50 * GB
