@@ -391,33 +391,8 @@ def expose(
         elif item.kind == "pp":
             per_message = item.time_s / item.calls
             item.exposed_s = min(item.time_s, passes * 2 * (pipeline_ranks - 1) * per_message)
+        elif item.op == "all_gather":
+            hidden = passes * (forward_s + backward_s)
+            item.exposed_s = max(0.0, item.time_s - hidden) + passes * item.time_s / item.calls / layers
         else:
-            hidden = behind_compute_s(item.time_s, passes, item.op == "all_gather", forward_s, backward_s)
-            item.exposed_s = hidden + passes * item.time_s / item.calls / layers
-
-
-def behind_compute_s(time_s: float, passes: int, gathers: bool, forward_s: float, backward_s: float) -> float:
-    """What of a data-parallel collective's time compute does not hide: all-gathers (prefetched) hide under every
-    pass's forward and backward, reductions under its backward."""
-    return max(0.0, time_s - passes * (forward_s + backward_s if gathers else backward_s))
-
-
-@dataclass(frozen=True)
-class HiddenTraffic:
-    """Data-parallel traffic as `expose` reckons it, ready for any forward and backward time: each collective's
-    (time_s, passes, whether it gathers) and, what never hides, the first gather's and the last reduction's layer."""
-
-    collectives: tuple[tuple[float, int, bool], ...]
-    ends_s: float
-
-    @classmethod
-    def of(cls, traffic: list[Traffic], rank_layers: int) -> HiddenTraffic:
-        layers = max(rank_layers, 1)
-        return cls(
-            tuple((item.time_s, item.passes, item.op == "all_gather") for item in traffic),
-            sum(item.passes * item.time_s / item.calls / layers for item in traffic),
-        )
-
-    def exposed_s(self, forward_s: float, backward_s: float) -> float:
-        hidden = sum(behind_compute_s(*collective, forward_s, backward_s) for collective in self.collectives)
-        return hidden + self.ends_s
+            item.exposed_s = max(0.0, item.time_s - passes * backward_s) + passes * item.time_s / item.calls / layers

@@ -93,7 +93,7 @@ from trainer.config import (
     unrunnable_errors,
 )
 from trainer.pipeline_split import splits
-from trainer.plan.communication import HiddenTraffic, data_parallel_traffic, groups, time_traffic
+from trainer.plan.communication import data_parallel_traffic, expose, groups, time_traffic
 from trainer.plan.compute import BlockCompute, RankCompute, block_compute, model_flops_per_token, stages_compute
 from trainer.plan.estimate import (
     RankTime,
@@ -1009,14 +1009,12 @@ class Pricer:
         """The exposed data-parallel communication of the rank that exposes most. It depends on the
         stage placement only through what the ranks hold, which many schedules share."""
         tp, cp, pp, pipeline, data, recompute, micro_batch = candidate
-        placement = self._placement(candidate)
-        key = (tp, cp, pp, pipeline.microbatches, data, recompute, micro_batch, placement.signatures)
-        exposed = self._data_parallel_of.get(key)
-        if exposed is None:
-            exposed = self._data_parallel_of[key] = max(
-                self._data_parallel_exposed_s(candidate, rank) for rank in placement.distinct
+        key = (tp, cp, pp, pipeline.microbatches, data, recompute, micro_batch, self._placement(candidate).signatures)
+        if key not in self._data_parallel_of:
+            self._data_parallel_of[key] = max(
+                self._data_parallel_exposed_s(candidate, rank) for rank in self._placement(candidate).distinct
             )
-        return exposed
+        return self._data_parallel_of[key]
 
     def _data_parallel_exposed_s(self, candidate: Candidate, rank: int) -> float:
         """The rank's exposed data-parallel communication as `step_traffic` and `expose` time it.
@@ -1033,8 +1031,7 @@ class Pricer:
             data,
             held.signature,
         )
-        hidden = self._data_parallel_traffic.get(key)
-        if hidden is None:
+        if key not in self._data_parallel_traffic:
             layout = self._layout(candidate)
             parallel = layout.parallel
             groups_key = (parallel.tp, parallel.cp, parallel.dp_shard, parallel.dp_replicate, parallel.pp, parallel.ep)
@@ -1046,12 +1043,14 @@ class Pricer:
                 self.cluster.gpus_per_node,
                 self._elements_of(candidate, rank).unsharded,
                 layout.compute_bytes,
-                expert_elements(layout, held.tensors),
+                expert_elements(layout, self._holding(candidate, rank).tensors),
             )
             time_traffic(traffic, self.cluster)
-            hidden = self._data_parallel_traffic[key] = HiddenTraffic.of(traffic, held.layers)
+            self._data_parallel_traffic[key] = traffic
+        traffic = self._data_parallel_traffic[key]
         compute = self._rank_compute(candidate, rank)
-        return hidden.exposed_s(compute.forward_s, compute.backward_s)
+        expose(traffic, compute.forward_s, compute.backward_s, held.layers, candidate.pp)
+        return sum(item.exposed_s for item in traffic)
 
     def _tighter_bound(self, candidate: Candidate, bound_s: float, exactness: int) -> tuple[float, int]:
         """The next lower bound on the step time after `bound_s` of this exactness; exact, the step
