@@ -154,6 +154,14 @@ class ModelConfig(_Section):
         NORM_EPS, gt=0, le=0.1, description="Epsilon RMSNorm adds to the mean square (1e-5 in Llama 2, 1e-6 in some)."
     )
     tie_embeddings: bool = Field(False, description="Share one matrix between the token embedding and the output.")
+    parallel_blocks: bool = Field(
+        False,
+        description=(
+            "Attention and the feed-forward block side by side on one norm's output, both added to the residual "
+            "stream at once (GPT-J, PaLM, Falcon): x + attention(norm(x)) + mlp(norm(x)); false: one after the "
+            "other, each behind a norm of its own (Llama)."
+        ),
+    )
     experts: int = Field(
         1, ge=1, le=1024, description="Feed-forward experts per block (mixture of experts); 1 = dense."
     )

@@ -1,5 +1,6 @@
 """A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU (or, with
-model.mlp gelu, GPT-3's two-matrix GELU feed-forward block; with model.experts > 1, a mixture of experts: moe.py).
+model.mlp gelu, GPT-3's two-matrix GELU feed-forward block; with model.experts > 1, a mixture of experts: moe.py);
+with model.parallel_blocks, attention and the feed-forward block side by side in each block, as GPT-J's and PaLM's.
 
 The model holds no parallelism; trainer.parallel applies it from outside. Pipeline stages are copies
 of this model with the parts other stages own set to None, so every parameter keeps its name.
@@ -113,20 +114,26 @@ def feed_forward(cfg: ModelConfig, kernels: KernelSet, index: int) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)). With model.parallel_blocks the two
+    sit side by side on one norm's output (GPT-J, PaLM): x + attention(norm(x)) + mlp(norm(x)), and the block has
+    no mlp_norm."""
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, index: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.attention = Attention(cfg, kernels)
-        self.mlp_norm = RMSNorm(cfg.dim, kernels, cfg.norm_eps)
+        self.mlp_norm: RMSNorm | None = None if cfg.parallel_blocks else RMSNorm(cfg.dim, kernels, cfg.norm_eps)
         self.mlp = feed_forward(cfg, kernels, index)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None = None
     ) -> torch.Tensor:
+        normed = self.attention_norm(x)
         # `allowed` goes by keyword: tensor parallelism's input plan covers the positional inputs only.
-        x = x + self.attention(self.attention_norm(x), cos, sin, allowed=allowed)
+        attended = self.attention(normed, cos, sin, allowed=allowed)
+        if self.mlp_norm is None:
+            return x + attended + self.mlp(normed)
+        x = x + attended
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -223,6 +223,7 @@ def test_valid_form_creates_the_run_and_opens_its_page(logged_in, ada):
         "seq_len": 64,
         "mlp": "swiglu",
         "tie_embeddings": False,
+        "parallel_blocks": False,
         "experts": 1,
         "top_k": 1,
         "moe": {

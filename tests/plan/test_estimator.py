@@ -15,11 +15,13 @@ from trainer.plan.memory import (
     activation_terms,
     buffer_terms,
     in_flight_microbatches,
+    layer_activation_bytes,
     model_state_terms,
     rank_state_elements,
     state_elements,
 )
 from trainer.plan.parameters import rank_tensors, total_parameters
+from trainer.plan.passes import block_pass_bytes
 from trainer.plan.schedule import simulate
 from trainer.plan.terms import total
 from trainer.plan.traffic import predicted_matrix
@@ -28,8 +30,8 @@ from trainer.plan.traffic import predicted_matrix
 SMALL_MODEL = {"layers": 4, "dim": 256, "heads": 8, "kv_heads": 4, "ffn": 512, "vocab": 512, "seq_len": 256}
 
 
-def plan(parallel: dict, precision: str = "bf16", **sections) -> Layout:
-    document = {"model": SMALL_MODEL, "parallel": parallel, "compute": {"precision": precision}, **sections}
+def plan(parallel: dict, precision: str = "bf16", model: dict = SMALL_MODEL, **sections) -> Layout:
+    document = {"model": model, "parallel": parallel, "compute": {"precision": precision}, **sections}
     return Layout(parse_config(document, runnable=False))
 
 
@@ -111,6 +113,55 @@ def test_recompute_and_sequence_parallel_shrink_loom_activations():
     none, selective, full = (activations(recompute=mode) for mode in ("none", "selective", "full"))
     assert none > selective > full
     assert activations(parallel={"sequence_parallel": False}) > none
+
+
+PARALLEL_BLOCKS = SMALL_MODEL | {"parallel_blocks": True}
+
+
+def test_a_parallel_block_holds_and_runs_one_norm():
+    sequential, parallel = plan({"tp": 4}), plan({"tp": 4}, model=PARALLEL_BLOCKS)
+    assert (
+        total_parameters(parallel.model)
+        == total_parameters(sequential.model) - SMALL_MODEL["layers"] * SMALL_MODEL["dim"]
+    )
+    assert not any("mlp_norm" in tensor.name for tensor in rank_tensors(parallel.model, parallel.parallel, 0))
+    before, after = block_pass_bytes(sequential), block_pass_bytes(parallel)
+    # A fused norm reads and writes the rank's sequence-parallel share of the hidden state, 2 bf16 bytes each.
+    assert (after.attention, after.residual) == (before.attention, before.residual)
+    assert after.mlp == before.mlp - SMALL_MODEL["dim"] / 4 * 2 * 2
+
+
+@pytest.mark.parametrize(
+    ("parallel", "precision", "recompute", "fewer_bytes_per_token"),
+    [
+        # The MLP's norm input and statistics, and its own input: the attention norm's output, kept for both.
+        ({}, "fp32", "none", 4 * SMALL_MODEL["dim"] + 4 + 4 * SMALL_MODEL["dim"]),
+        ({}, "fp32", "selective", 4 * SMALL_MODEL["dim"] + 4 + 4 * SMALL_MODEL["dim"]),
+        ({}, "fp32", "full", 0),
+        # Autocast casts the norm's output for every linear layer: the MLP's norm input (the fp32 stream) and
+        # statistics are what goes.
+        ({}, "bf16", "none", 4 * SMALL_MODEL["dim"] + 4),
+        # Sequence parallelism gathers the norm's output for the MLP, a copy: the norm's share goes, split over tp.
+        ({"tp": 4}, "fp32", "selective", (4 * SMALL_MODEL["dim"] + 4) / 4),
+    ],
+)
+def test_a_parallel_block_keeps_one_norms_tensors_and_its_output_once(
+    parallel, precision, recompute, fewer_bytes_per_token
+):
+    def layer(model: dict) -> float:
+        layout = plan(parallel, precision, model, compute={"precision": precision, "recompute": recompute})
+        return layer_activation_bytes(layout)
+
+    tokens = SMALL_MODEL["seq_len"] * plan({}).micro_seqs
+    assert layer(PARALLEL_BLOCKS) == layer(SMALL_MODEL) - tokens * fewer_bytes_per_token
+
+
+def test_the_activation_formula_shows_one_norms_statistics_in_a_parallel_block():
+    formulas = [
+        activation_terms(plan({}, "fp32", model, compute={"precision": "fp32"}), 0)[0].formula
+        for model in (SMALL_MODEL, PARALLEL_BLOCKS)
+    ]
+    assert "2sb·4B" in formulas[0] and "2sb" not in formulas[1] and " sb·4B" in formulas[1]
 
 
 @pytest.mark.parametrize(

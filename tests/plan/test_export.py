@@ -6,7 +6,8 @@ import tomllib
 
 import pytest
 
-from trainer.config import parse_config
+from trainer.config import ConfigError, parse_config
+from trainer.plan.estimate import estimate
 from trainer.plan.export import ExportError, export_job, to_megatron_args, to_torchtitan_toml
 from trainer.plan.presets import with_preset
 from trainer.plan.search import search
@@ -148,6 +149,7 @@ def test_torchtitan_without_sharding_has_no_fsdp_policy():
         ({"dp_shard": 8}, {"preset": "gpt3-175b"}, {}, "model.tie_embeddings"),
         ({"dp_shard": 8}, None, {"optimizer": {"offload": True}}, "optimizer.offload"),
         ({"dp_shard": 8}, {"preset": "llama3-70b", "rope_scaling": {}}, {}, "model.rope_scaling"),
+        ({"dp_shard": 8}, {"preset": "llama3-70b", "parallel_blocks": True}, {}, "model.parallel_blocks"),
     ],
 )
 def test_torchtitan_refuses_what_it_cannot_run(parallel, model, sections, field):
@@ -286,6 +288,22 @@ def test_megatron_refuses_rope_scaling_it_has_no_flags_for():
     with pytest.raises(ExportError) as refused:
         to_megatron_args(config_of({"dp_shard": 8}, 8, {"preset": "llama3-70b", "rope_scaling": {}}))
     assert "Megatron-LM" in refused.value.errors["model.rope_scaling"]
+
+
+def test_megatron_and_its_pricing_refuse_parallel_blocks_its_gpt_model_lacks():
+    config = config_of({"dp_shard": 8}, 8, {"preset": "llama3-70b", "parallel_blocks": True})
+    with pytest.raises(ExportError) as refused:
+        to_megatron_args(config)
+    assert refused.value.errors == {
+        "model.parallel_blocks": "Megatron-LM's GPT model runs attention and the MLP one after the other, each behind "
+        "a norm of its own; use false"
+    }
+    document = {"model": {"preset": "llama3-70b", "parallel_blocks": True}, "parallel": {"dp_shard": 8}}
+    for runtime in ("megatron", "torchtitan"):
+        with pytest.raises(ConfigError) as unpriced:
+            estimate(document, {"gpu": "H100-SXM", "nodes": 1}, runtime=runtime)
+        assert list(unpriced.value.errors) == ["model.parallel_blocks"]
+    assert estimate(document, {"gpu": "H100-SXM", "nodes": 1}).step_s > 0
 
 
 def test_megatron_refuses_hybrid_sharding_with_fsdp():

@@ -232,6 +232,11 @@ def test_export_refuses_a_layout_the_other_trainer_cannot_run_naming_the_field(c
                                                    "microbatches": 2}, data={"micro_batch": 2})  # fmt: skip
     errors = field_errors(post(client, "/api/plan/export", {"config": config, "format": "megatron"}, token))
     assert "1F1B or Interleaved1F1B" in errors["parallel.pp_schedule"]
+    # Priced for the trainer it goes to too: refused before either.
+    parallel = {"config": with_changes(LLAMA3_8B_TP2, model={"parallel_blocks": True}), "cluster": ONE_H100_NODE}
+    for export_format in ("megatron", "torchtitan"):
+        errors = field_errors(post(client, "/api/plan/export", {**parallel, "format": export_format}, token))
+        assert list(errors) == ["model.parallel_blocks"]
 
 
 def test_export_refuses_an_unknown_format_and_a_bad_config_together(client, token):
@@ -277,6 +282,7 @@ def test_the_designer_page_needs_a_login_and_offers_the_layout_fields(client, pl
     page = response.content.decode()
     for path in (
         "model.heads",
+        "model.parallel_blocks",
         "parallel.tp",
         "parallel.pp_schedule",
         "parallel.zero_stage",

@@ -8,9 +8,11 @@ The model runs the kernels the trainer would (trainer/parallel/apply.py): the Tr
 tensor parallelism on each rank's local rows. Tensor-parallel layouts run on two processes over gloo, and rank 0's
 bytes are reported.
 
-A layout is [tp, sequence_parallel, recompute, precision, mlp], where mlp may name a mixture of experts (MIXTURES):
+A layout is [tp, sequence_parallel, recompute, precision, mlp], where mlp may name a mixture of experts (MIXTURES),
+and "parallel_" before it makes the model's blocks parallel ones (model.parallel_blocks):
 
-    python tests/trainer/saved_activations.py '[[2, true, "full", "bf16", "gelu"]]'
+    python tests/trainer/saved_activations.py \
+        '[[2, true, "full", "bf16", "gelu"], [1, false, "none", "fp32", "parallel_moe"]]'
 """
 
 from __future__ import annotations
@@ -50,9 +52,18 @@ MIXTURES = {
 }
 
 
+PARALLEL_BLOCKS = "parallel_"
+
+
+def model_variant(mlp: str) -> dict:
+    """The model fields a layout's mlp names: the feed-forward block, or a mixture, and whether blocks are parallel."""
+    block = mlp.removeprefix(PARALLEL_BLOCKS)
+    return MIXTURES.get(block, {"mlp": block}) | {"parallel_blocks": mlp.startswith(PARALLEL_BLOCKS)}
+
+
 def layout_config(tp: int, sequence_parallel: bool, recompute: str, precision: str, mlp: str, layers: int) -> RunConfig:
     document = {
-        "model": MODEL | {"layers": layers} | MIXTURES.get(mlp, {"mlp": mlp}),
+        "model": MODEL | {"layers": layers} | model_variant(mlp),
         "parallel": {"tp": tp, "sequence_parallel": sequence_parallel},
         "compute": {"precision": precision, "recompute": recompute},
         "data": {"micro_batch": MICRO_BATCH},

@@ -44,6 +44,25 @@ LAYOUTS = (
             [True, False], ["none", "selective"], ["fp32", "bf16"], ["moe", "moe_shared"]
         )
     ]
+    + [
+        # A parallel block keeps one norm's input and statistics, and its output once for attention and the MLP where
+        # they both keep it uncast: not under autocast, and not where sequence parallelism gathers it for a dense MLP
+        # (a copy); a mixture's router keeps it on the rank's own tokens, except where tensor parallelism without
+        # sequence parallelism splits a copy off for the router.
+        (tp, sequence_parallel, recompute, precision, "parallel_swiglu")
+        for (tp, sequence_parallel), recompute, precision in itertools.product(
+            [(1, False), (2, False), (2, True)], ["none", "selective"], ["fp32", "bf16"]
+        )
+    ]
+    + [(1, False, "full", "fp32", "parallel_swiglu"), (2, True, "full", "bf16", "parallel_swiglu")]
+    + [
+        (tp, sequence_parallel, recompute, "fp32", "parallel_moe_shared")
+        for (tp, sequence_parallel), recompute in itertools.product(
+            [(1, False), (2, False), (2, True)], ["none", "selective"]
+        )
+    ]
+    + [(1, False, "none", "bf16", "parallel_moe_shared"), (2, True, "selective", "bf16", "parallel_moe_shared")]
+    + [(1, False, "none", "bf16", "parallel_gelu"), (2, True, "selective", "fp32", "parallel_gelu")]
 )
 
 

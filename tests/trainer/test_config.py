@@ -241,6 +241,21 @@ def test_tied_embeddings_run_within_one_pipeline_stage_and_across_stages():
     assert parse_config({**tied, "parallel": {"pp": 2, "microbatches": 2}}).parallel.pp == 2
 
 
+@pytest.mark.parametrize(
+    ("model", "parallel", "compute"),
+    [
+        ({"mlp": "gelu", "tie_embeddings": True}, {"tp": 2, "sequence_parallel": False}, {"recompute": "selective"}),
+        ({"experts": 4, "top_k": 2, "moe": {"dense_layers": 1}}, {"dp_shard": 2, "cp": 2, "ep": 2}, {"compile": True}),
+        ({}, {"pp": 2, "pp_schedule": "ZBVZeroBubble", "stages_per_rank": 2, "microbatches": 2}, {"recompute": "full"}),
+        ({}, {"dp_shard": 2, "tp": 2}, {"compile": True, "kernels": "triton"}),
+    ],
+)
+def test_parallel_blocks_run_with_every_block_layout_and_recompute_the_trainer_runs(model, parallel, compute):
+    document = {"model": {"layers": 4, "parallel_blocks": True, **model}, "parallel": parallel, "compute": compute}
+    assert parse_config(document).model.parallel_blocks
+    assert "model.parallel_blocks" in errors_of({"model": {"parallel_blocks": "true"}})
+
+
 def test_gpt3s_gelu_blocks_run():
     assert parse_config({"model": {"layers": 2, "mlp": "gelu"}, "parallel": {"tp": 2}}).model.mlp == "gelu"
 

@@ -412,3 +412,6 @@ def test_export_refuses_a_model_hugging_faces_llama_cannot_hold_saying_what_diff
     with pytest.raises(CheckpointError, match="gelu feed-forward blocks; the export writes Hugging Face's Llama"):
         model_of(manifest, tmp_path / "step-00000004")
     assert model_of({**manifest, "model": {**manifest["model"], "mlp": "swiglu"}}, tmp_path).mlp == "swiglu"
+    parallel = {**manifest, "model": {**manifest["model"], "mlp": "swiglu", "parallel_blocks": True}}
+    with pytest.raises(CheckpointError, match=r"parallel attention and MLP blocks \(model.parallel_blocks\)"):
+        model_of(parallel, tmp_path / "step-00000004")

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from trainer.config import ModelConfig
+from trainer.config import ComputeConfig, ModelConfig
 from trainer.model import Transformer, rotary_tables
+from trainer.parallel.recompute import apply_recompute
 
 TINY = ModelConfig(layers=2, dim=32, heads=4, kv_heads=4, ffn=64, vocab=256, seq_len=16)
 
@@ -112,3 +113,36 @@ def test_a_document_mask_makes_a_packed_document_see_only_itself():
     model.document_end = None
     with torch.no_grad():
         torch.testing.assert_close(masked_prefix, model(packed)[:, :7])
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_a_parallel_block_adds_attention_and_the_mlp_of_one_norm_to_its_input(mlp):
+    torch.manual_seed(0)
+    model = Transformer(TINY.model_copy(update={"parallel_blocks": True, "mlp": mlp}))
+    block = model.blocks["0"]
+    x = torch.randn(2, 16, 32)
+    normed = block.attention_norm(x)
+    by_hand = x + block.attention(normed, model.rope_cos, model.rope_sin) + block.mlp(normed)
+    torch.testing.assert_close(block(x, model.rope_cos, model.rope_sin), by_hand)
+    assert block.mlp_norm is None
+    assert not any("mlp_norm" in name for name in model.state_dict())
+    sequential = Transformer(TINY.model_copy(update={"mlp": mlp}))
+    assert model.num_params() == sequential.num_params() - TINY.layers * TINY.dim
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_a_recomputed_parallel_block_gives_the_gradients_it_gives_whole(recompute):
+    """Selective recompute reruns the attention alone; the shared norm, whose output the MLP keeps, stays outside."""
+    config = TINY.model_copy(update={"parallel_blocks": True})
+    inputs, targets = tokens(2, 16), tokens(2, 16, seed=1)
+    gradients = []
+    for mode in ("none", recompute):
+        torch.manual_seed(0)
+        model = Transformer(config)
+        apply_recompute(model, ComputeConfig(recompute=mode))
+        model(inputs, targets).backward()
+        # The checkpoint wrapper puts its own prefix into the parameters' names: the order is the same.
+        gradients.append([parameter.grad for parameter in model.parameters()])
+    names = [name for name, _ in Transformer(config).named_parameters()]
+    for name, whole, recomputed in zip(names, *gradients, strict=True):
+        torch.testing.assert_close(recomputed, whole, msg=name)

@@ -179,30 +179,30 @@ def test_triton_kernels_train_like_a_single_process_in(name, single_process, tmp
     assert_trains_like(run, single_process)
 
 
+# A mixture of experts every layout runs alike: routing ties go to the lower expert, and the balance loss and the
+# capacity are counted per sequence, so data parallelism and microbatches leave them as they are. Its first block is
+# dense and wider, as DeepSeek-V3's first three are: a pipeline's first stage holds both kinds of block.
+MIXTURE = {
+    "experts": 4,
+    "top_k": 2,
+    "moe": {"balance_loss": 0.05, "bias_update_rate": 0.01, "shared_expert": True, "dense_layers": 1, "dense_ffn": 192},
+}
+
+
 # Model variants, each against a single process of its own, in the layouts that touch what they change: GPT-3's
 # two-matrix GELU feed-forward block (no w3 for tensor parallelism to split; FSDP; pipeline stages) and tied
 # embeddings (one matrix the embedding's and the output's tensor-parallel plans both split over the vocabulary,
 # with and without loss parallel; FSDP and DDP holding it once; context parallel; across pipeline stages, a copy on
 # the last stage whose gradient the first and the last pipeline rank sum: over the pp group, sharded by FSDP and
 # split by tensor parallelism, over a group of their own with more than two pipeline ranks, and on one rank, which
-# a V schedule gives both).
+# a V schedule gives both). Parallel blocks (attention and the MLP side by side on one norm, whose output tensor
+# parallelism gathers for each of them), dense and as a mixture of experts.
 MODEL_VARIANTS = {
     "gelu": {"mlp": "gelu"},
     "tied": {"tie_embeddings": True},
-    # A mixture of experts every layout runs alike: routing ties go to the lower expert, and the balance loss and
-    # the capacity are counted per sequence, so data parallelism and microbatches leave them as they are. Its first
-    # block is dense and wider, as DeepSeek-V3's first three are: a pipeline's first stage holds both kinds of block.
-    "moe": {
-        "experts": 4,
-        "top_k": 2,
-        "moe": {
-            "balance_loss": 0.05,
-            "bias_update_rate": 0.01,
-            "shared_expert": True,
-            "dense_layers": 1,
-            "dense_ffn": 192,
-        },
-    },
+    "moe": MIXTURE,
+    "parallel": {"parallel_blocks": True},
+    "parallel_moe": MIXTURE | {"parallel_blocks": True},
 }
 VARIANT_LAYOUTS = [
     ("gelu", "dp2xtp2"),
@@ -222,6 +222,12 @@ VARIANT_LAYOUTS = [
     # Compiled blocks run their mixture of experts eagerly between the compiled attention and norms.
     ("moe", "dp2xtp2_compiled_blocks"),
     *[("moe", name) for name in EXPERT_LAYOUTS],
+    ("parallel", "dp2xtp2"),
+    ("parallel", "tp2_no_sp"),
+    ("parallel", "cp2"),
+    ("parallel", "pp2_1f1b"),
+    ("parallel", "dp2xtp2_compiled_blocks"),
+    ("parallel_moe", "pp2xtp2xcp2"),
 ]
 
 
@@ -265,6 +271,22 @@ def test_a_model_variant_trains_like_its_single_process_in(variant, name, varian
         # once).
         parameters = run.parameters()
         assert torch.equal(parameters["output.weight"], parameters["embedding.weight"])
+
+
+# Model variants under the Triton kernels: a parallel block's one norm, on its sequence-parallel shard, feeding a
+# selectively recomputed attention and the MLP.
+TRITON_VARIANT_LAYOUTS = [("parallel", "tp2_selective_recompute")]
+
+
+@pytest.mark.parametrize(("variant", "name"), TRITON_VARIANT_LAYOUTS)
+def test_triton_kernels_train_a_model_variant_like_its_single_process_in(
+    variant, name, variant_single_process, tmp_path
+):
+    document = with_model(LAYOUTS[name], variant)
+    document["compute"]["kernels"] = "triton"
+    run = run_trainer(tmp_path, document)
+    assert run.returncode == 0, run.output[-4000:]
+    assert_trains_like(run, variant_single_process(variant))
 
 
 def test_bf16_mixed_precision_under_fsdp_tracks_the_fp32_losses(single_process, tmp_path):

@@ -48,12 +48,13 @@ def model_of(manifest: dict[str, Any], checkpoint_dir: Path) -> ModelConfig:
         "tied embeddings": model.tie_embeddings,
         f"{model.experts} experts": model.experts > 1,
         f"{model.mlp} feed-forward blocks": model.mlp != "swiglu",
+        "parallel attention and MLP blocks (model.parallel_blocks)": model.parallel_blocks,
     }
     differences = [what for what, differs in unlike_llama.items() if differs]
     if differences:
         raise CheckpointError(
             f"{checkpoint_dir.name}: its model has {', '.join(differences)}; the export writes Hugging Face's Llama "
-            "(untied, dense, SwiGLU)"
+            "(untied, dense, SwiGLU, attention then the MLP)"
         )
     return model
 

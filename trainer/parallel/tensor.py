@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainer.model import Transformer
+from trainer.model import Block, Transformer
 from trainer.moe import MoEFeedForward
 
 from .moe_tensor import apply_moe_tensor_parallel
@@ -59,15 +59,18 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         else:
             plan |= feed_forward_plan("mlp", block.mlp, between_blocks)
         if sequence_parallel:
-            plan["attention_norm"] = SequenceParallel()
-            plan["mlp_norm"] = SequenceParallel()
+            plan |= {name: SequenceParallel() for name in block_norms(block)}
         parallelize_module(block, tp_mesh, plan)
     if not sequence_parallel:
-        norms = [block.attention_norm for block in model.blocks.values()] + [
-            block.mlp_norm for block in model.blocks.values()
-        ]
+        norms = [getattr(block, name) for block in model.blocks.values() for name in block_norms(block)]
         for norm in norms + ([model.norm] if model.norm is not None else []):
             replicate_on(norm, tp_mesh)
+
+
+def block_norms(block: Block) -> list[str]:
+    """The block's norms by name: a parallel block's one norm feeds attention and the MLP both, each of whose plans
+    gathers its output (under sequence parallelism, once for each)."""
+    return ["attention_norm"] + (["mlp_norm"] if block.mlp_norm is not None else [])
 
 
 def feed_forward_plan(name: str, feed_forward: nn.Module, between: Placement) -> dict:

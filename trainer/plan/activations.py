@@ -15,13 +15,17 @@ The terms follow Korthikanti et al., "Reducing Activation Recomputation in Large
   never the s² scores; the output projection reads that output's own storage), no dropout; DTensor's
   sequence parallel keeps the all-gathered input of the column-parallel projections; "selective"
   recomputes the attention sub-block (keeping its input), "full" whole blocks (keeping each block's
-  input). The fused kernels keep a norm's input and statistics and SwiGLU's gate and up; where the
-  trainer runs torch's ops instead (tensor or context parallel, or compute.kernels torch) autograd
+  input); a parallel block (model.parallel_blocks) keeps one norm's tensors, and that norm's output once where
+  attention and the MLP both keep it uncast. The fused kernels keep a norm's input and statistics and SwiGLU's gate
+  and up; where the trainer runs torch's ops instead (tensor or context parallel, or compute.kernels torch) autograd
   keeps their fp32 intermediates: a norm's fp32 input and normalised output, SwiGLU's fp32 gate, up
   and silu(gate). tests/trainer/test_activation_memory.py measures these against the trainer's own
   saved tensors, layer by layer.
 - "torchtitan": as loom's, except that its "selective" is per-op selective checkpointing
   (torchtitan_per_op_layer).
+
+Neither Megatron-LM's GPT nor torchtitan's llama3 has parallel blocks: the planner refuses to price them there
+(trainer.plan.estimate.runtime_errors), as the exports refuse them.
 
 s is the sequence a rank holds (seq_len / cp), b the microbatch in sequences, h the hidden size,
 a heads, f the feed-forward size, t the tensor-parallel degree.
@@ -88,31 +92,52 @@ def loom_layer(
     residual_bytes: float | None = None,
     autocast: bool = False,
     tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> list[SavedTensor]:
     """One block of trainer/model.py. Keys and values are gathered over the whole sequence under
     context parallelism (gathered_seq = seq_len), so those two terms do not shrink with cp.
     residual_bytes: the residual stream's element size, where it differs from the activations' (under
     autocast the embedding's output, and so the stream the blocks add to, stays fp32). Under autocast
     each linear layer casts its input itself, so q, k and v keep three bf16 copies of theirs and the
-    MLP's gate and up two."""
+    MLP's gate and up two.
+
+    A parallel block (model.parallel_blocks) has one norm, whose output attention and the MLP both read: where
+    the MLP keeps that output itself (`mlp_keeps_norm_output`) it is one tensor, kept unless the block is
+    recomputed whole, for attention's projections (or the checkpoint around a selectively recomputed attention)
+    and the MLP alike."""
     s, b, h, a, kv, f, k = shape.s, shape.b, shape.h, shape.a, shape.kv, shape.f, shape.top_k
     sbh, e, m = s * b * h, activation_bytes, matmul_input_bytes
     r = residual_bytes or e
     qkv_copies = 3 if autocast else 1
     mlp_copies = (2 if model.mlp == "swiglu" else 1) if autocast else 1
+    norms, norm_count_symbol = (1, "sb") if model.parallel_blocks else (2, "2sb")
+    shared_input = mlp_keeps_norm_output(model, autocast or m != e, tp, sequence_parallel)
+    qkv_input = SavedTensor(
+        "q/k/v projection input" + (" (a cast each)" if autocast else ""),
+        f"{qkv_copies}·sbh" if autocast else "sbh",
+        qkv_copies * sbh,
+        m,
+        False,
+        False,
+        UNLESS_RECOMPUTED,
+    )
     tensors = [
         *norm_tensors("attention", sbh, r, fused_kernels),
-        SavedTensor("norm statistics (fp32)", "2sb", 2 * s * b, 4, False, True, UNLESS_FULL),
-        SavedTensor("attention input, kept for recompute", "sbh", sbh, r, False, True, ONLY_SELECTIVE),
-        SavedTensor(
-            "q/k/v projection input" + (" (a cast each)" if autocast else ""),
-            f"{qkv_copies}·sbh" if autocast else "sbh",
-            qkv_copies * sbh,
-            m,
-            False,
-            False,
-            UNLESS_RECOMPUTED,
-        ),
+        SavedTensor("norm statistics (fp32)", norm_count_symbol, norms * s * b, 4, False, True, UNLESS_FULL),
+    ]
+    if shared_input:
+        tensors.append(
+            SavedTensor("norm output, attention's and the MLP's input", "sbh", sbh, m, False, True, UNLESS_FULL)
+        )
+        if sequence_parallel:
+            # Attention's projections keep the sequence gathered, a copy of their own.
+            tensors.append(qkv_input)
+    else:
+        tensors += [
+            SavedTensor("attention input, kept for recompute", "sbh", sbh, r, False, True, ONLY_SELECTIVE),
+            qkv_input,
+        ]
+    tensors += [
         SavedTensor("queries after RoPE", "sbh", sbh, e, True, False, UNLESS_RECOMPUTED),
         SavedTensor(
             "keys and values after RoPE", "2·S·b·kv", 2 * gathered_seq * b * kv, e, True, False, UNLESS_RECOMPUTED
@@ -122,10 +147,11 @@ def loom_layer(
     ]
     if m != e:
         tensors.append(SavedTensor("output-projection input (cast)", "sbh", sbh, m, True, False, UNLESS_RECOMPUTED))
-    tensors += norm_tensors("MLP", sbh, r, fused_kernels)
+    if not model.parallel_blocks:
+        tensors += norm_tensors("MLP", sbh, r, fused_kernels)
     if model.experts > 1:
-        tensors += routing_tensors(model, s, b, m, autocast, tp)
-    else:
+        tensors += routing_tensors(model, s, b, m, autocast, tp, input_counted=shared_input)
+    elif not shared_input:
         tensors.append(
             SavedTensor(
                 "MLP input" + (" (a cast each)" if autocast else ""),
@@ -152,8 +178,20 @@ def loom_layer(
     return tensors
 
 
+def mlp_keeps_norm_output(model: ModelConfig, casts: bool, tp: int, sequence_parallel: bool) -> bool:
+    """Whether a parallel block's MLP keeps its norm's output itself, not a copy: no cast comes between (`casts`:
+    autocast casts it for each linear layer, fp8 for its matmuls), and a dense MLP takes it whole (sequence
+    parallelism gathers it first, a copy) where a mixture's router takes it on the rank's own tokens (whole on one
+    rank; without sequence parallelism tensor parallelism splits a copy off for it)."""
+    if not model.parallel_blocks or casts:
+        return False
+    if model.experts > 1:
+        return tp == 1 or sequence_parallel
+    return not sequence_parallel
+
+
 def routing_tensors(
-    model: ModelConfig, s: int, b: int, matmul_input_bytes: float, autocast: bool, tp: int
+    model: ModelConfig, s: int, b: int, matmul_input_bytes: float, autocast: bool, tp: int, input_counted: bool = False
 ) -> list[SavedTensor]:
     """What trainer/moe.py keeps of routing s·b tokens to top_k of E experts (dropless; a capacity drops some and
     keeps its own counts): the router's input, probabilities, choices and renormalised gates, the tokens dispatched
@@ -162,7 +200,8 @@ def routing_tensors(
 
     Under tensor parallelism the router takes the rank's part of the sequence (what it keeps is split over tp),
     the experts every token; a shared expert takes the gathered sequence as a dense block does. Without it the
-    router and a shared expert read one input, which autocast casts once for each linear layer."""
+    router and a shared expert read one input, which autocast casts once for each linear layer. input_counted: that
+    input (the router's, under tensor parallelism) is a parallel block's norm output, counted with the block's."""
     k, experts, sb, m = model.top_k, model.experts, s * b, matmul_input_bytes
     copies = k * sb
     products = 3 if model.mlp == "swiglu" else 2
@@ -171,17 +210,19 @@ def routing_tensors(
     def kept(name: str, symbol: str, elements: float, nbytes: float, router_side: bool = False) -> SavedTensor:
         return SavedTensor(name, symbol, elements, nbytes, router_side, False, UNLESS_FULL)
 
+    tensors = []
     if tp > 1:
-        tensors = [kept("router input", "sbh", sb * model.dim, m, router_side=True)]
+        if not input_counted:
+            tensors.append(kept("router input", "sbh", sb * model.dim, m, router_side=True))
         if shared_reads:
             tensors.append(
                 kept("shared expert input, gathered", f"{shared_reads}·sbh", shared_reads * sb * model.dim, m)
             )
-    else:
+    elif not input_counted:
         reads = 1 + shared_reads if autocast else 1
-        tensors = [
+        tensors.append(
             kept("MoE input" + (" (a cast each)" if autocast else ""), f"{reads}·sbh", reads * sb * model.dim, m)
-        ]
+        )
     tensors += [
         kept("router probabilities (fp32)", "sbE", sb * experts, 4, router_side=True),
         kept("router's ranking of the experts (int64; the choices its first k)", "sbE", sb * experts, 8, True),

@@ -229,7 +229,18 @@ def estimate(
     return estimate_layout(Layout(config, runtime, attention), cluster, timeline=timeline)
 
 
+def runtime_errors(layout: Layout) -> dict[str, str]:
+    """What the layout's model has that its runtime's model does not, keyed by field: Megatron-LM's GPT and
+    torchtitan's llama3 run attention and the MLP one after the other, and their formulas price those blocks."""
+    if layout.runtime != "loom" and layout.model.parallel_blocks:
+        return {"model.parallel_blocks": f"the {layout.runtime} runtime has no parallel blocks to price; use false"}
+    return {}
+
+
 def estimate_layout(layout: Layout, cluster: ClusterSpec, *, timeline: bool = True) -> Estimate:
+    errors = runtime_errors(layout)
+    if errors:
+        raise ConfigError(errors)
     parallel = layout.parallel
     memory = memory_per_rank(layout)
     ranks = [rank_time(layout, cluster, pp_rank) for pp_rank in range(parallel.pp)]

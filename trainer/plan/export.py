@@ -215,6 +215,11 @@ def torchtitan_refusals(config: RunConfig) -> None:
             model.tie_embeddings,
             "torchtitan's llama3 model keeps the embedding and the output apart; use false",
         ),
+        "model.parallel_blocks": (
+            model.parallel_blocks,
+            "torchtitan's llama3 model runs attention and the feed-forward block one after the other, each behind a "
+            "norm of its own; use false",
+        ),
         "parallel.sequence_parallel": (
             parallel.tp > 1 and not parallel.sequence_parallel,
             "torchtitan applies sequence parallelism with every tensor-parallel layout; use true",
@@ -336,6 +341,11 @@ def megatron_refusals(config: RunConfig) -> None:
         "model.rope_scaling": (
             config.model.rope_scaling is not None,
             "not mapped to Megatron-LM's RoPE scaling flags; export a model without it (null)",
+        ),
+        "model.parallel_blocks": (
+            config.model.parallel_blocks,
+            "Megatron-LM's GPT model runs attention and the MLP one after the other, each behind a norm of its own; "
+            "use false",
         ),
     }
     refuse(reasons)

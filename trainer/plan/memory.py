@@ -271,7 +271,8 @@ def layer_tensors(layout: Layout, shape: Shape) -> list[SavedTensor]:
         layout.fused_kernels,
         layout.residual_bytes,
         layout.autocast,
-        layout.parallel.tp,
+        parallel.tp,
+        parallel.sequence_parallel and parallel.tp > 1,
     )
 
 

@@ -49,8 +49,10 @@ def block_tensors(model: ModelConfig, layer: int | str, copies: int = 1) -> list
         tensor(f"{prefix}.attention.wk.weight", (model.kv_heads * head_dim, h), tp_dim=0),
         tensor(f"{prefix}.attention.wv.weight", (model.kv_heads * head_dim, h), tp_dim=0),
         tensor(f"{prefix}.attention.wo.weight", (h, model.heads * head_dim), tp_dim=1),
-        tensor(f"{prefix}.mlp_norm.weight", (h,)),
     ]
+    if not model.parallel_blocks:
+        # A parallel block's MLP reads the attention's norm: it has no norm of its own.
+        tensors.append(tensor(f"{prefix}.mlp_norm.weight", (h,)))
     return tensors + mlp_tensors(model, f"{prefix}.mlp", copies)
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from trainer.plan.layout import Layout
 
-NORMS_PER_BLOCK, RESIDUALS_PER_BLOCK = 2, 2
+# x + attention, then + the MLP: two additions in a parallel block (model.parallel_blocks) too.
+RESIDUALS_PER_BLOCK = 2
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class PassBytes:
     attention: float
     """The attention sub-block's: its norm, rotary, and the copies around attention."""
     mlp: float
-    """The MLP sub-block's: its norm and activation."""
+    """The MLP sub-block's: its norm (none in a parallel block, whose MLP reads the attention's) and activation."""
     residual: float
 
     @property
@@ -54,7 +55,7 @@ def per_element(layout: Layout) -> tuple[float, float, float]:
 
 def block_pass_bytes(layout: Layout) -> PassBytes:
     """Per token of the rank's sequence; the hidden-state passes split over tp ranks under sequence parallel, the
-    head- and ffn-wide ones always."""
+    head- and ffn-wide ones always. A parallel block runs one norm, the attention's."""
     model, tp = layout.model, layout.parallel.tp
     e = layout.activation_bytes
     spread = tp if layout.parallel.sequence_parallel and tp > 1 else 1
@@ -68,5 +69,6 @@ def block_pass_bytes(layout: Layout) -> PassBytes:
             attention += 2 * (model.kv_heads * head_dim + model.dim) / tp * e
         attention += 2 * model.dim / tp * e
     activation = swiglu if model.mlp == "swiglu" else 2 * e
-    mlp = model.dim / spread * norm + model.ffn * model.feed_forward_paths / tp * activation
+    mlp_norm = 0 if model.parallel_blocks else model.dim / spread * norm
+    mlp = mlp_norm + model.ffn * model.feed_forward_paths / tp * activation
     return PassBytes(attention, mlp, RESIDUALS_PER_BLOCK * 3 * e * model.dim / spread)

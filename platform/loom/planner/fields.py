@@ -32,6 +32,7 @@ DESIGN_SECTIONS = [
             "model.rope_theta",
             "model.mlp",
             "model.tie_embeddings",
+            "model.parallel_blocks",
             "model.experts",
             "model.top_k",
             "model.moe.shared_expert",

@@ -21,6 +21,7 @@ CONFIG_LABELS = {
     "model.seq_len": "Sequence length",
     "model.mlp": "Feed-forward block",
     "model.tie_embeddings": "Tied embeddings",
+    "model.parallel_blocks": "Parallel attention and MLP",
     "model.experts": "Experts",
     "model.top_k": "Experts per token",
     "parallel.dp_replicate": "Data-parallel replicas",
