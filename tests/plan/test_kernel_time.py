@@ -79,6 +79,15 @@ def test_megatron_selective_recompute_repeats_only_the_attention_core():
     assert loom.recompute_flops > megatron.recompute_flops
 
 
+def test_looms_selective_recompute_reruns_the_attention_modules_passes_but_not_its_norm():
+    """The trainer checkpoints the attention module alone; its norm runs outside (trainer/parallel/recompute.py)."""
+    loom = compute(recompute="selective")
+    dim, heads, kv_heads = MODEL["dim"], MODEL["heads"], MODEL["kv_heads"]
+    # Fused rotary reads and writes q and k once, 2 bf16 bytes each, per token of every layer.
+    rotary = 2 * MODEL["seq_len"] * MODEL["layers"] * 2 * 2 * (heads + kv_heads) * dim // heads
+    assert loom.recompute.memory_s == pytest.approx(memory_seconds(rotary, H100))
+
+
 def test_unfused_attention_moves_the_whole_score_matrix():
     flash, unfused = compute(attention="flash"), compute(attention="unfused")
     assert unfused.forward.attention_s == 0 and flash.forward.attention_s > 0

@@ -254,7 +254,8 @@ class BlockCompute:
     memory: KernelTime
     """The memory-bound passes' forward."""
     attention_memory: KernelTime
-    """The attention sub-block's share of `memory`: what loom's selective recompute re-runs."""
+    """The attention module's share of `memory`, its norm's left out: what loom's selective recompute re-runs (the
+    norm runs outside the checkpoint, trainer/parallel/recompute.py)."""
     matmul_elements: float
     """Parameters a token multiplies with in one block (`_matmul_elements`)."""
 
@@ -293,7 +294,7 @@ def block_compute(layout: Layout, cluster: ClusterSpec) -> BlockCompute:
         core,
         core_backward,
         pricer.memory_bytes(tokens * passes.block),
-        pricer.memory_bytes(tokens * passes.attention),
+        pricer.memory_bytes(tokens * (passes.attention - passes.attention_norm)),
         _matmul_elements(block, model),
     )
 

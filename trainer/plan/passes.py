@@ -34,6 +34,8 @@ class PassBytes:
 
     attention: float
     """The attention sub-block's: its norm, rotary, and the copies around attention."""
+    attention_norm: float
+    """Of which its norm's."""
     mlp: float
     """The MLP sub-block's: its norm (none in a parallel block, whose MLP reads the attention's) and activation."""
     residual: float
@@ -62,7 +64,8 @@ def block_pass_bytes(layout: Layout) -> PassBytes:
     head_dim = model.dim // model.heads
     norm, rotary, swiglu = per_element(layout)
     query_key = (model.heads + model.kv_heads) * head_dim / tp
-    attention = model.dim / spread * norm + query_key * rotary
+    attention_norm = model.dim / spread * norm
+    attention = attention_norm + query_key * rotary
     if layout.runtime == "torchtitan" and not layout.fused_passes:
         if model.kv_heads < model.heads:
             # Keys and values read at kv width and written at every head's.
@@ -71,4 +74,4 @@ def block_pass_bytes(layout: Layout) -> PassBytes:
     activation = swiglu if model.mlp == "swiglu" else 2 * e
     mlp_norm = 0 if model.parallel_blocks else model.dim / spread * norm
     mlp = mlp_norm + model.ffn * model.feed_forward_paths / tp * activation
-    return PassBytes(attention, mlp, RESIDUALS_PER_BLOCK * 3 * e * model.dim / spread)
+    return PassBytes(attention, attention_norm, mlp, RESIDUALS_PER_BLOCK * 3 * e * model.dim / spread)
