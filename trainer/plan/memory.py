@@ -351,6 +351,12 @@ def logits_term(layout: Layout, held: float) -> Term:
     if layout.runtime == "megatron":
         # Its fused vocab-parallel cross-entropy turns the kept softmax into the gradient in place.
         transient, what = (e + 4) * logits, f"logits and their fp32 gradient ({e + 4} B × s·b·V/t)"
+    elif vocab_split > 1:
+        # PyTorch's loss parallel (torchtitan's, under tp) on vocabulary-sharded DTensor logits: forward holds the
+        # logits, their fp32 copy and one fp32 intermediate besides what is kept (e + 8 B), backward three fp32
+        # tensors the logits' size (12 B). Measured on CPU: tests/trainer/test_loss_memory.py.
+        transient = max(e + 8, 12) * logits
+        what = f"in backward PyTorch's loss parallel's three fp32 tensors ({max(e + 8, 12)} B × s·b·V/t)"
     else:
         # PyTorch's cross_entropy on fp32 logits: forward holds the logits, their fp32 copy and the log-probabilities
         # (e + 4 B besides what is kept); backward, the log-probabilities' gradient and the logits' (8 B), once the
