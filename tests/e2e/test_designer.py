@@ -329,3 +329,29 @@ def test_a_mixture_of_experts_can_keep_its_first_blocks_dense_and_a_preset_sets_
     expect(page.locator('[data-path="model.moe.dense_ffn"]')).to_have_value("")
     wait_for_estimate(page, "estimate.config.model.moe.dense_layers === 0")
     expect(page.locator("#design-preset")).to_have_value("mixtral-8x7b")
+
+
+def test_a_mixture_of_experts_routing_is_set_in_the_designer(designer):
+    """DeepSeek-V3's routing: sigmoid gates, bias balancing without the auxiliary loss; a capacity, and back to
+    dropless with the field emptied."""
+    page = designer
+    page.select_option("#design-preset", "mixtral-8x7b")
+    wait_for_estimate(page, "estimate.config.model.experts === 8")
+    with_balance_loss = page.evaluate("window.loomDesign.estimate.memory.peak_bytes")
+    set_field(page, "model.moe.gate", "sigmoid")
+    set_field(page, "model.moe.balance_loss", "0")
+    set_field(page, "model.moe.bias_update_rate", "0.001")
+    set_field(page, "model.moe.capacity_factor", "1.25")
+    routed = "estimate.config.model.moe"
+    wait_for_estimate(
+        page,
+        f"{routed}.gate === 'sigmoid' && {routed}.balance_loss === 0 && {routed}.bias_update_rate === 0.001"
+        f" && {routed}.capacity_factor === 1.25",
+    )
+    # Without the balance loss the router keeps no affinity sums for it.
+    assert page.evaluate("window.loomDesign.estimate.memory.peak_bytes") < with_balance_loss
+    set_field(page, "model.moe.capacity_factor", "-1")
+    expect(field_error(page, "model.moe.capacity_factor")).to_contain_text("greater than 0")
+    set_field(page, "model.moe.capacity_factor", "")
+    wait_for_estimate(page, "estimate.config.model.moe.capacity_factor === null")
+    expect(field_error(page, "model.moe.capacity_factor")).to_be_hidden()
