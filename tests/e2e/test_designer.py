@@ -310,11 +310,16 @@ def test_launch_creates_the_run_with_its_estimate_and_its_page_compares_them(liv
     page.screenshot(path=RUN_SCREENSHOT, full_page=True)
 
 
-def test_a_mixture_of_experts_can_keep_its_first_blocks_dense_and_a_preset_sets_them_back(designer):
-    page = designer
+def mixtral_peak_bytes(page) -> float:
+    """Loads the Mixtral 8x7B preset; its estimated peak memory."""
     page.select_option("#design-preset", "mixtral-8x7b")
     wait_for_estimate(page, "estimate.config.model.experts === 8")
-    experts_only = page.evaluate("window.loomDesign.estimate.memory.peak_bytes")
+    return page.evaluate("window.loomDesign.estimate.memory.peak_bytes")
+
+
+def test_a_mixture_of_experts_can_keep_its_first_blocks_dense_and_a_preset_sets_them_back(designer):
+    page = designer
+    experts_only = mixtral_peak_bytes(page)
     # DeepSeek-V3's first blocks: dense, and wider than an expert.
     set_field(page, "model.moe.dense_layers", "3")
     set_field(page, "model.moe.dense_ffn", "28672")
@@ -335,9 +340,7 @@ def test_a_mixture_of_experts_routing_is_set_in_the_designer(designer):
     """DeepSeek-V3's routing: sigmoid gates, bias balancing without the auxiliary loss; a capacity, and back to
     dropless with the field emptied."""
     page = designer
-    page.select_option("#design-preset", "mixtral-8x7b")
-    wait_for_estimate(page, "estimate.config.model.experts === 8")
-    with_balance_loss = page.evaluate("window.loomDesign.estimate.memory.peak_bytes")
+    with_balance_loss = mixtral_peak_bytes(page)
     set_field(page, "model.moe.gate", "sigmoid")
     set_field(page, "model.moe.balance_loss", "0")
     set_field(page, "model.moe.bias_update_rate", "0.001")
