@@ -225,7 +225,7 @@ def step_traffic(
         add("ep", "all_to_all", "ep", tokens, m * moe_layers * (4 + 2 * repeats), "dispatch and combine, both ways")
     traffic += data_parallel_traffic(layout, group, gpn, state_elements, c, expert_elements)
     if parallel.pp > 1:
-        split = parallel.tp if parallel.sequence_parallel and parallel.tp > 1 else 1
+        split = parallel.tp if layout.sequence_parallel else 1
         message = sbh / split
         add("pp", "send", "pp", message, 2 * m * layout.stages_per_rank, "activations forward, gradients backward")
     traffic += tied_embedding_traffic(layout, group["pp"], gpn, holds_embedding, holds_output)

@@ -387,7 +387,7 @@ def stages_compute(
     if holds_output:
         output = pricer.linear([Product("output", model.dim, model.vocab / tp, tokens)])
         logits = tokens * model.vocab / tp * 4 / pricer.activation_bytes
-        spread = tp if parallel.sequence_parallel and tp > 1 else 1
+        spread = tp if layout.sequence_parallel else 1
         final_norm = tokens / spread * model.dim * NORM_ELEMENTS
         forward += output[0] + pricer.memory(final_norm + logits * LOSS_FORWARD_PASSES)
         input_gradients += output[1] + pricer.memory(

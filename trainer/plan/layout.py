@@ -53,6 +53,11 @@ class Layout:
         return "bf16" if precision == "auto" else precision
 
     @property
+    def sequence_parallel(self) -> bool:
+        """Whether sequence parallelism is in effect: asked for, and tp > 1 to split the sequence over."""
+        return self.parallel.sequence_parallel and self.parallel.tp > 1
+
+    @property
     def pipeline_ranks(self) -> int:
         return self.parallel.pp
 

@@ -256,8 +256,7 @@ def layer_tensors(layout: Layout, shape: Shape) -> list[SavedTensor]:
     """What one block keeps for backward in this layout, for a rank holding `shape`."""
     parallel = layout.parallel
     if layout.runtime == "torchtitan" and layout.config.compute.recompute == "selective":
-        reduce_scatters = parallel.tp > 1 and parallel.sequence_parallel
-        return torchtitan_per_op_layer(shape, layout.model, layout.activation_bytes, reduce_scatters)
+        return torchtitan_per_op_layer(shape, layout.model, layout.activation_bytes, layout.sequence_parallel)
     if layout.runtime == "megatron":
         # Megatron-LM's GPT recipes train with dropout 0.1, its Llama recipes without.
         gpt = layout.model.mlp == "gelu"
@@ -272,17 +271,16 @@ def layer_tensors(layout: Layout, shape: Shape) -> list[SavedTensor]:
         layout.residual_bytes,
         layout.autocast,
         parallel.tp,
-        parallel.sequence_parallel and parallel.tp > 1,
+        layout.sequence_parallel,
     )
 
 
 def layer_activation_bytes(layout: Layout, recompute: str | None = None) -> float:
     """What one block keeps for one microbatch on a rank of this layout (under `recompute`, by default the
     layout's own mode)."""
-    parallel = layout.parallel
     tensors = layer_tensors(layout, Shape.of(layout.model, layout.local_seq, layout.micro_seqs))
-    sequence_parallel = parallel.sequence_parallel and parallel.tp > 1
-    return layer_bytes(tensors, recompute or layout.config.compute.recompute, parallel.tp, sequence_parallel)
+    recompute = recompute or layout.config.compute.recompute
+    return layer_bytes(tensors, recompute, layout.parallel.tp, layout.sequence_parallel)
 
 
 def kind_activations(layout: Layout, kind: BlockKind, held: float) -> tuple[float, str]:
@@ -290,7 +288,7 @@ def kind_activations(layout: Layout, kind: BlockKind, held: float) -> tuple[floa
     model, parallel = layout.model, layout.parallel
     shape = Shape.of(model, layout.local_seq, layout.micro_seqs)
     tensors = layer_tensors(layout, shape)
-    recompute, tp, sp = layout.config.compute.recompute, parallel.tp, parallel.sequence_parallel and parallel.tp > 1
+    recompute, tp, sp = layout.config.compute.recompute, parallel.tp, layout.sequence_parallel
     layers = kind.layers
     per_layer = layer_bytes(tensors, recompute, tp, sp)
     mode = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}[recompute]
@@ -375,7 +373,7 @@ def pipeline_buffer_term(layout: Layout) -> list[Term]:
     if layout.pipeline_ranks == 1:
         return []
     parallel = layout.parallel
-    split = parallel.tp if parallel.sequence_parallel and parallel.tp > 1 else 1
+    split = parallel.tp if layout.sequence_parallel else 1
     message = layout.local_seq * layout.micro_seqs * layout.model.dim / split * layout.activation_bytes
     buffers = 2 * layout.stages_per_rank
     return [

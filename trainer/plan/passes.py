@@ -60,7 +60,7 @@ def block_pass_bytes(layout: Layout) -> PassBytes:
     head- and ffn-wide ones always. A parallel block runs one norm, the attention's."""
     model, tp = layout.model, layout.parallel.tp
     e = layout.activation_bytes
-    spread = tp if layout.parallel.sequence_parallel and tp > 1 else 1
+    spread = tp if layout.sequence_parallel else 1
     head_dim = model.dim // model.heads
     norm, rotary, swiglu = per_element(layout)
     query_key = (model.heads + model.kv_heads) * head_dim / tp
@@ -72,6 +72,6 @@ def block_pass_bytes(layout: Layout) -> PassBytes:
             attention += 2 * (model.kv_heads * head_dim + model.dim) / tp * e
         attention += 2 * model.dim / tp * e
     activation = swiglu if model.mlp == "swiglu" else 2 * e
-    mlp_norm = 0 if model.parallel_blocks else model.dim / spread * norm
+    mlp_norm = 0 if model.parallel_blocks else attention_norm
     mlp = mlp_norm + model.ffn * model.feed_forward_paths / tp * activation
     return PassBytes(attention, attention_norm, mlp, RESIDUALS_PER_BLOCK * 3 * e * model.dim / spread)
