@@ -144,28 +144,32 @@ def second_layer_bytes(layouts: list[tuple[int, bool, str, str, str]]) -> dict[s
     return {json.dumps(layout): kept_bytes(*layout, layers=2) - kept_bytes(*layout, layers=1) for layout in layouts}
 
 
-def measure_on_a_rank(rank: int, layouts: list, store: str, results: str) -> None:
+def measure_on_a_rank(rank: int, one_rank_layouts: list, layouts: list, store: str, results: str) -> None:
+    """This rank's half of the one-rank layouts, then the tensor-parallel ones with the other rank."""
+    measured = second_layer_bytes(one_rank_layouts[rank::2])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        measured = second_layer_bytes(layouts)
-        if rank == 0:
-            Path(results).write_text(json.dumps(measured))
+        tensor_parallel = second_layer_bytes(layouts)
+        Path(f"{results}.{rank}").write_text(json.dumps(measured | (tensor_parallel if rank == 0 else {})))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def main(layouts: list[tuple[int, bool, str, str, str]]) -> dict[str, int]:
-    measured = second_layer_bytes([layout for layout in layouts if layout[0] == 1])
+    one_rank = [layout for layout in layouts if layout[0] == 1]
     tensor_parallel = [layout for layout in layouts if layout[0] > 1]
-    if tensor_parallel:
-        if any(layout[0] != 2 for layout in tensor_parallel):
-            raise ValueError("tensor-parallel layouts are measured on two ranks: tp must be 2")
-        with tempfile.TemporaryDirectory() as directory:
-            store, results = Path(directory, "store"), Path(directory, "results.json")
-            mp.spawn(measure_on_a_rank, args=(tensor_parallel, str(store), str(results)), nprocs=2)
-            measured |= json.loads(results.read_text())
-    return measured
+    if not tensor_parallel:
+        return second_layer_bytes(one_rank)
+    if any(layout[0] != 2 for layout in tensor_parallel):
+        raise ValueError("tensor-parallel layouts are measured on two ranks: tp must be 2")
+    # The two processes the tensor-parallel layouts need share out the one-rank layouts first.
+    with tempfile.TemporaryDirectory() as directory:
+        store, results = Path(directory, "store"), Path(directory, "results.json")
+        mp.spawn(measure_on_a_rank, args=(one_rank, tensor_parallel, str(store), str(results)), nprocs=2)
+        return {
+            key: value for rank in range(2) for key, value in json.loads(Path(f"{results}.{rank}").read_text()).items()
+        }
 
 
 if __name__ == "__main__":
