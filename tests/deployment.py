@@ -6,6 +6,7 @@ belong to CI and are never touched. Every process the deployment starts carries 
 environment, inherited by whatever it starts in turn (torchrun, its supervisor, the ranks), so the
 deployment finds and stops its processes however they were detached or reparented."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -520,3 +521,16 @@ class Deployment:
             text = service.log.read_text(errors="replace") if service.log.exists() else ""
             tails.append(f"--- {service.name} ({service.log}) ---\n{text[-characters:]}")
         return "\n".join(tails)
+
+
+@contextlib.contextmanager
+def private_deployment(host: str = "127.0.0.1", **settings: str):
+    """A started Deployment on a PostgreSQL and a Redis of its own, all stopped and removed on the way out."""
+    with contextlib.ExitStack() as stack:
+        postgres = PrivatePostgres()
+        stack.callback(postgres.close)
+        redis_server = PrivateRedis()
+        stack.callback(redis_server.close)
+        running = Deployment(postgres, redis_server, host=host, **settings).start()
+        stack.callback(running.stop)
+        yield running

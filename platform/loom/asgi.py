@@ -10,6 +10,7 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set u
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from loom.accounts.socket_auth import ApiTokenAuthMiddleware  # noqa: E402
 from loom.alerts.routing import websocket_urlpatterns as alert_sockets  # noqa: E402
 from loom.telemetry.ingest_app import ingest_endpoint  # noqa: E402
 from loom.telemetry.routing import websocket_urlpatterns as run_sockets  # noqa: E402
@@ -28,7 +29,10 @@ async def http(scope, receive, send):
 application = ProtocolTypeRouter(
     {
         "http": http,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(run_sockets + alert_sockets))),
+        # A page's socket carries its session; a script's (loom run watch) its API token, which wins when sent.
+        "websocket": AllowedHostsOriginValidator(
+            AuthMiddlewareStack(ApiTokenAuthMiddleware(URLRouter(run_sockets + alert_sockets)))
+        ),
     }
 )
 

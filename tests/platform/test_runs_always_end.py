@@ -5,7 +5,6 @@ The platform runs as docker/compose.yaml lays it out, in subprocesses on a Postg
 module's own (tests/deployment.py); what happened is counted straight from that database, so a duplicate
 launch, end or restart fails a test however the platform's own pages would show it."""
 
-import contextlib
 import os
 import signal
 import time
@@ -16,9 +15,8 @@ import pytest
 
 from ..deployment import (
     Deployment,
-    PrivatePostgres,
-    PrivateRedis,
     environment_of,
+    private_deployment,
     process_alive,
     wait_until,
 )
@@ -37,13 +35,7 @@ EXIT_RECORD = "exit.json"
 
 @pytest.fixture(scope="module")
 def deployment():
-    with contextlib.ExitStack() as stack:
-        postgres = PrivatePostgres()
-        stack.callback(postgres.close)
-        redis_server = PrivateRedis()
-        stack.callback(redis_server.close)
-        running = Deployment(postgres, redis_server).start()
-        stack.callback(running.stop)
+    with private_deployment() as running:
         yield running
 
 

@@ -3,12 +3,11 @@ worker killed with SIGKILL mid-run, PostgreSQL restarted mid-run and then Cancel
 created — with the deployment launching onto the real Slurm test cluster, one rank on each of two nodes. Nothing
 of the run lives in a worker: the job is Slurm's, and the reconciler follows it through squeue."""
 
-import contextlib
 import time
 
 import pytest
 
-from ..deployment import Deployment, PrivatePostgres, PrivateRedis
+from ..deployment import Deployment, private_deployment
 from .test_runs_always_end import (
     STEPS,
     TRAINING,
@@ -29,21 +28,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 @pytest.fixture(scope="module")
 def deployment(slurm_cluster):
-    with contextlib.ExitStack() as stack:
-        postgres = PrivatePostgres()
-        stack.callback(postgres.close)
-        redis_server = PrivateRedis()
-        stack.callback(redis_server.close)
-        running = Deployment(
-            postgres,
-            redis_server,
-            host=slurm_cluster.host_address,
-            LOOM_BACKEND="slurm",
-            LOOM_SLURM_CONF=str(slurm_cluster.conf),
-            LOOM_RANKS_PER_NODE="1",
-            LOOM_ALLOWED_HOSTS=f"127.0.0.1,localhost,{slurm_cluster.host_address}",
-        ).start()
-        stack.callback(running.stop)
+    with private_deployment(
+        host=slurm_cluster.host_address,
+        LOOM_BACKEND="slurm",
+        LOOM_SLURM_CONF=str(slurm_cluster.conf),
+        LOOM_RANKS_PER_NODE="1",
+        LOOM_ALLOWED_HOSTS=f"127.0.0.1,localhost,{slurm_cluster.host_address}",
+    ) as running:
         yield running
 
 

@@ -138,10 +138,14 @@ def model_of(argument: str) -> object:
 
 
 def run_estimate(arguments: argparse.Namespace) -> str:
-    result, defaults = planned_estimate(
-        read_json(arguments.config, "config"), cluster_of(arguments), timeline=False, runtime=arguments.runtime
-    )
-    if arguments.json:
+    document = read_json(arguments.config, "config")
+    return estimate_text(document, cluster_of(arguments), arguments.runtime, arguments.json)
+
+
+def estimate_text(document: object, cluster: dict, runtime: str = "loom", as_json: bool = False) -> str:
+    """The estimate of a run-config document on a cluster, as a report or as JSON (also `loom plan estimate`)."""
+    result, defaults = planned_estimate(document, cluster, timeline=False, runtime=runtime)
+    if as_json:
         return json.dumps({**result.to_json(timeline=False), "defaults": defaults}, indent=2)
     return describe_estimate(result, defaults)
 
@@ -295,9 +299,14 @@ def search_row(rank: str, found: Found) -> list[str]:
 
 
 def run_export(arguments: argparse.Namespace) -> str:
-    document, defaults = with_planning_defaults(read_json(arguments.config, "config"))
+    return export_text(read_json(arguments.config, "config"), arguments.format)
+
+
+def export_text(document: object, format: str) -> str:
+    """The job alone; the planning defaults taken and the warnings go to stderr (also `loom plan export`)."""
+    document, defaults = with_planning_defaults(document)
     config = parse_config(with_preset(document) if isinstance(document, dict) else document, runnable=False)
-    job = export_job(config, arguments.format)
+    job = export_job(config, format)
     if defaults:
         print(defaults_line(defaults), file=sys.stderr)
     for warning in job["warnings"]:
