@@ -30,7 +30,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="The loom platform from a shell (runs, logs, checkpoints, restores) and the planner on this machine.",
 )
-run_app = typer.Typer(no_args_is_help=True, help="One run: submit, show, cancel, clone, watch.")
+run_app = typer.Typer(
+    no_args_is_help=True,
+    help="One run: submit, show, cancel, clone, watch; tag, untag, note, rename, archive, unarchive.",
+)
 config_app = typer.Typer(no_args_is_help=True, help="A run's config document.")
 app.add_typer(run_app, name="run")
 app.add_typer(config_app, name="config")
@@ -59,7 +62,7 @@ def login(
     """Check an API token against the platform and keep both for the other commands."""
     token = token or typer.prompt("API token", hide_input=True)
     with LoomClient(url, token) as client:
-        client.runs()
+        list(client.runs(limit=1))
     path = save_credentials(Credentials(url.rstrip("/"), token))
     typer.echo(f"logged in to {url.rstrip('/')}; credentials saved in {path}")
 
@@ -67,18 +70,50 @@ def login(
 @app.command("runs")
 @reports_errors
 def list_runs(
-    state: Annotated[str | None, typer.Option(help="only runs in this state (queued, running, succeeded, …)")] = None,
-    search: Annotated[str | None, typer.Option(help="only runs whose name holds this text")] = None,
+    state: Annotated[
+        str | None, typer.Option(help="only runs in these states, comma-separated (queued, running, succeeded, …)")
+    ] = None,
+    tag: Annotated[str | None, typer.Option(help="only runs with this tag")] = None,
+    search: Annotated[str | None, typer.Option(help="only runs whose name, a tag or the note holds this text")] = None,
+    archived: Annotated[bool, typer.Option("--archived", help="the archived runs instead of the live ones")] = False,
+    sort: Annotated[str, typer.Option(help="created, updated, name or state; -name for the other way")] = "-created",
+    limit: Annotated[int, typer.Option(help="show at most this many runs")] = 50,
 ):
-    """Your runs, newest first."""
+    """Your runs, newest first: layout, progress, last loss, tokens/s, duration, open alerts, tags."""
     with connected() as client:
-        runs = client.runs()
-    runs = [run for run in runs if state is None or run.state == state]
-    runs = [run for run in runs if search is None or search.casefold() in run.name.casefold()]
-    table = Table("id", "name", "state", "created")
+        runs = list(
+            client.runs(search=search or "", state=state or "", tag=tag or "", archived=archived, sort=sort,
+                        limit=limit)
+        )  # fmt: skip
+    table = Table("id", "name", "state", "layout", "steps", "loss", "tokens/s", "duration", "alerts", "tags", "note",
+                  "created")  # fmt: skip
     for run in runs:
-        table.add_row(str(run.id), run.name, run.state, f"{run.created_at.astimezone():%Y-%m-%d %H:%M:%S}")
+        steps = f"{run.steps_done if run.steps_done is not None else '-'}/{run.steps_total}"
+        table.add_row(
+            str(run.id), run.name, run.state, layout_of(run.layout), steps,
+            "" if run.last_loss is None else f"{run.last_loss:.4f}",
+            "" if run.tokens_per_s is None else f"{run.tokens_per_s:,.0f}",
+            duration_of(run.duration_s), alerts_of(run.open_alerts, run.critical_alerts), ", ".join(run.tags),
+            run.note.partition("\n")[0][:40], f"{run.created_at.astimezone():%Y-%m-%d %H:%M:%S}",
+        )  # fmt: skip
     console.print(table)
+
+
+def duration_of(seconds: float | None) -> str:
+    """3h 05m, 4m 10s, 12s; empty for a run that has not started."""
+    if seconds is None:
+        return ""
+    whole = int(seconds)
+    hours, minutes, left = whole // 3600, whole // 60 % 60, whole % 60
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {left:02d}s" if minutes else f"{left}s"
+
+
+def alerts_of(live: int, critical: int) -> str:
+    if not live:
+        return ""
+    return f"{live} open ({critical} critical)" if critical else f"{live} open"
 
 
 @run_app.command()
@@ -130,6 +165,63 @@ def cancel(run_id: RunId):
     with connected() as client:
         run = client.cancel(run_id)
     typer.echo(f"run {run.id} ({run.name}): {run.state}")
+
+
+Tags = Annotated[list[str], typer.Argument(help="tags: letters, digits and . _ : / - (kept in lower case)")]
+
+
+@run_app.command()
+@reports_errors
+def tag(run_id: RunId, tags: Tags):
+    """Add tags to a run, to find it by with `loom runs --tag`."""
+    with connected() as client:
+        run = client.tag(run_id, *tags)
+    typer.echo(f"run {run.id} ({run.name}): tags {', '.join(run.tags) or 'none'}")
+
+
+@run_app.command()
+@reports_errors
+def untag(run_id: RunId, tags: Tags):
+    """Take tags off a run."""
+    with connected() as client:
+        run = client.untag(run_id, *tags)
+    typer.echo(f"run {run.id} ({run.name}): tags {', '.join(run.tags) or 'none'}")
+
+
+@run_app.command()
+@reports_errors
+def note(run_id: RunId, text: Annotated[str, typer.Argument(help="the note; an empty one clears it")]):
+    """Write a run's note (it replaces the one it had)."""
+    with connected() as client:
+        run = client.edit(run_id, note=text)
+    typer.echo(f"run {run.id} ({run.name}): note {'written' if run.note else 'cleared'}")
+
+
+@run_app.command()
+@reports_errors
+def rename(run_id: RunId, name: Annotated[str, typer.Argument(help="the run's new name")]):
+    """Give a run another name."""
+    with connected() as client:
+        run = client.edit(run_id, name=name)
+    typer.echo(f"run {run.id}: renamed {run.name}")
+
+
+@run_app.command()
+@reports_errors
+def archive(run_id: RunId):
+    """Take a run out of the run list; it keeps everything (`loom runs --archived` lists it)."""
+    with connected() as client:
+        run = client.edit(run_id, archived=True)
+    typer.echo(f"run {run.id} ({run.name}): archived")
+
+
+@run_app.command()
+@reports_errors
+def unarchive(run_id: RunId):
+    """Bring an archived run back into the run list."""
+    with connected() as client:
+        run = client.edit(run_id, archived=False)
+    typer.echo(f"run {run.id} ({run.name}): back in the run list")
 
 
 @run_app.command()

@@ -3,7 +3,7 @@ with an API token. It imports nothing of the platform: everything goes over HTTP
 
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,10 +13,12 @@ from websockets.sync.client import ClientConnection, connect
 
 from . import routes
 from .documents import with_overrides
-from .models import Alert, Checkpoint, CreatedRun, Event, EventPage, LogTail, Restored, Run, RunDetail
+from .models import Alert, Checkpoint, CreatedRun, Event, EventPage, ListedRun, LogTail, Restored, RunDetail, RunPage
 from .routes import Route
 
 EVENTS_PAGE = 1000
+# The most runs the platform gives in one page of its run list.
+RUNS_PAGE = 200
 RECONNECT_PAUSE_S = 1.0
 
 
@@ -58,11 +60,13 @@ class ApiError(LoomError):
 
 
 class LoomClient:
-    def __init__(self, url: str, token: str, timeout: float = 30.0):
+    def __init__(self, url: str, token: str, timeout: float = 30.0, transport: httpx.BaseTransport | None = None):
+        """`transport`: how requests reach the platform, when not over the network (tests hand the platform's
+        WSGI application to httpx.WSGITransport)."""
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
-        self._http = httpx.Client(base_url=self.url, headers=self._auth_header, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, headers=self._auth_header, timeout=timeout, transport=transport)
 
     @property
     def _auth_header(self) -> dict[str, str]:
@@ -100,12 +104,58 @@ class LoomClient:
             body["cluster"] = dict(cluster)
         return CreatedRun.model_validate(self._call(routes.SUBMIT_RUN, body))
 
-    def runs(self) -> list[Run]:
-        """Your runs, newest first."""
-        return [Run.model_validate(run) for run in self._call(routes.LIST_RUNS)]
+    def runs(
+        self,
+        search: str = "",
+        state: str | Sequence[str] = (),
+        tag: str = "",
+        archived: bool = False,
+        sort: str = "-created",
+        limit: int | None = None,
+    ) -> Iterator[ListedRun]:
+        """Your runs, newest first unless `sort` says otherwise (created, updated, name, state; "-name": the
+        other way), page after page: those whose name, a tag or the note holds `search`, in `state` (one or
+        several), tagged `tag`; `archived`: the archived runs instead of the live ones; at most `limit` runs."""
+        states = [state] if isinstance(state, str) else list(state)
+        query = {"search": search, "state": ",".join(states), "tag": tag, "archived": archived, "sort": sort}
+        query = {name: value for name, value in query.items() if value not in ("", None)}
+        left = limit
+        while left is None or left > 0:
+            page_size = RUNS_PAGE if left is None else min(left, RUNS_PAGE)
+            page = RunPage.model_validate(self._call(routes.LIST_RUNS, query={**query, "limit": page_size}))
+            yield from page.runs
+            if left is not None:
+                left -= len(page.runs)
+            if page.next_cursor is None:
+                return
+            query["cursor"] = page.next_cursor
 
     def run(self, run_id: int) -> RunDetail:
         return RunDetail.model_validate(self._call(routes.SHOW_RUN, run_id=run_id))
+
+    def edit(
+        self,
+        run_id: int,
+        *,
+        name: str | None = None,
+        tags: Sequence[str] | None = None,
+        note: str | None = None,
+        archived: bool | None = None,
+    ) -> RunDetail:
+        """Rename a run, replace its tags, write its note, archive it (or bring it back); what is None stays."""
+        fields = {"name": name, "tags": None if tags is None else list(tags), "note": note, "archived": archived}
+        body = {field: value for field, value in fields.items() if value is not None}
+        return RunDetail.model_validate(self._call(routes.EDIT_RUN, body, run_id=run_id))
+
+    def tag(self, run_id: int, *tags: str) -> RunDetail:
+        """Add tags to the run's (kept in lower case)."""
+        current = self.run(run_id).tags
+        return self.edit(run_id, tags=[*current, *tags])
+
+    def untag(self, run_id: int, *tags: str) -> RunDetail:
+        """Take tags off the run; one it does not have is no error."""
+        dropped = {tag.strip().lower() for tag in tags}
+        return self.edit(run_id, tags=[tag for tag in self.run(run_id).tags if tag not in dropped])
 
     def cancel(self, run_id: int) -> RunDetail:
         return RunDetail.model_validate(self._call(routes.CANCEL_RUN, run_id=run_id))

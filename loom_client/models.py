@@ -20,10 +20,35 @@ class Run(Answer):
     created_at: datetime
     updated_at: datetime
     last_seq: int
+    tags: list[str]
+    note: str
+    archived: bool
 
     @property
     def finished(self) -> bool:
         return self.state in TERMINAL_STATES
+
+
+class ListedRun(Run):
+    """A run as the run list gives it, with the columns a user scans."""
+
+    # The latest attempt's parallel degrees (dp_replicate, dp_shard, tp, pp, cp, ep).
+    layout: dict[str, int]
+    world_size: int
+    # The latest attempt's highest step reported (null before its first), of the steps its config runs to.
+    steps_done: int | None
+    steps_total: int
+    last_loss: float | None
+    tokens_per_s: float | None
+    duration_s: float | None
+    # Alerts open or acknowledged, and of those the critical ones.
+    open_alerts: int
+    critical_alerts: int
+
+
+class RunPage(Answer):
+    runs: list[ListedRun]
+    next_cursor: str | None
 
 
 class Attempt(Answer):

@@ -17,8 +17,9 @@ class Route:
 
 
 SUBMIT_RUN = Route("POST", "/api/runs", body=("name", "config", "cluster"))
-LIST_RUNS = Route("GET", "/api/runs")
+LIST_RUNS = Route("GET", "/api/runs", query=("search", "state", "tag", "archived", "sort", "limit", "cursor"))
 SHOW_RUN = Route("GET", "/api/runs/{run_id}")
+EDIT_RUN = Route("PATCH", "/api/runs/{run_id}", body=("name", "tags", "note", "archived"))
 CANCEL_RUN = Route("POST", "/api/runs/{run_id}/cancel")
 RUN_EVENTS = Route("GET", "/api/runs/{run_id}/events", query=("after", "limit"))
 RANK_LOG = Route("GET", "/api/runs/{run_id}/attempts/{number}/logs/{rank}", query=("lines",))
@@ -32,6 +33,7 @@ HTTP_ROUTES = (
     SUBMIT_RUN,
     LIST_RUNS,
     SHOW_RUN,
+    EDIT_RUN,
     CANCEL_RUN,
     RUN_EVENTS,
     RANK_LOG,

@@ -8,16 +8,24 @@ window.loom = (() => {
     return entry ? decodeURIComponent(entry.slice(name.length + 1)) : "";
   }
 
-  // A same-origin POST that asks for JSON back, with the CSRF token Django refuses a POST without;
-  // `body`, when given, goes as JSON.
-  function post(url, body) {
+  // A same-origin write (POST, PATCH) that asks for JSON back, with the CSRF token Django refuses a write
+  // without; `body`, when given, goes as JSON.
+  function send(method, url, body) {
     const headers = { Accept: "application/json", "X-CSRFToken": cookie("csrftoken") };
-    const request = { method: "POST", credentials: "same-origin", headers };
+    const request = { method, credentials: "same-origin", headers };
     if (body !== undefined) {
       headers["Content-Type"] = "application/json";
       request.body = JSON.stringify(body);
     }
     return fetch(url, request);
+  }
+
+  function post(url, body) {
+    return send("POST", url, body);
+  }
+
+  function patch(url, body) {
+    return send("PATCH", url, body);
   }
 
   // A field's messages go in the `.field-error` / `.field-warning` element whose data-for names it
@@ -112,6 +120,7 @@ window.loom = (() => {
 
   return {
     post,
+    patch,
     clearFieldMessages,
     placeFieldMessage,
     showFieldErrors,

@@ -12,6 +12,8 @@ import asyncio
 
 from channels_redis.core import RedisChannelLayer as LibraryRedisChannelLayer
 
+from loom.operations.metrics import RECEIVER_CLOSED, fanout_dropped_messages
+
 # How long a cancelled receive is given to end before it is cancelled again.
 CANCEL_AGAIN_AFTER_S = 0.1
 
@@ -27,4 +29,6 @@ class RedisChannelLayer(LibraryRedisChannelLayer):
             while not popping.done():
                 popping.cancel()
                 await asyncio.wait([popping], timeout=CANCEL_AGAIN_AFTER_S)
+            if not popping.cancelled() and popping.exception() is None:
+                fanout_dropped_messages.labels(RECEIVER_CLOSED).inc()
             raise

@@ -2,6 +2,7 @@
 
 import os
 from datetime import timedelta
+from ipaddress import ip_network
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -27,14 +28,15 @@ if not SECRET_KEY:
 ALLOWED_HOSTS = os.environ.get("LOOM_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",")
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("LOOM_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 # A deployment served over HTTPS (docker/compose.yaml), behind a proxy that terminates TLS and says so in
-# X-Forwarded-Proto: cookies only over HTTPS, HSTS, and plain-HTTP pages redirected. The API is exempt from
-# the redirect: ranks and the launcher reach web and ingest over the deployment's own network, in plain HTTP.
+# X-Forwarded-Proto: cookies only over HTTPS, HSTS, and plain-HTTP pages redirected. The API and /metrics are
+# exempt from the redirect: ranks, the launcher and Prometheus reach web and ingest over the deployment's own
+# network, in plain HTTP.
 LOOM_HTTPS = os.environ.get("LOOM_HTTPS", "0") == "1"
 if LOOM_HTTPS:
     SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
     SECURE_SSL_REDIRECT = True
-    SECURE_REDIRECT_EXEMPT = [r"^api/"]
+    SECURE_REDIRECT_EXEMPT = [r"^api/", r"^metrics$"]
     SECURE_HSTS_SECONDS = 365 * 24 * 3600
     SECURE_HSTS_INCLUDE_SUBDOMAINS = True
     # Entering browsers' preload lists binds the whole domain to HTTPS for years: the domain's owner decides
@@ -59,6 +61,7 @@ INSTALLED_APPS = [
     "loom.checkpoints",
     "loom.alerts",
     "loom.datasets",
+    "loom.operations",
 ]
 
 MIDDLEWARE = [
@@ -290,13 +293,49 @@ CELERY_TASK_ROUTES = (
     else {}
 )
 
+
+def metrics_networks(value: str) -> list:
+    try:
+        return [ip_network(entry.strip()) for entry in value.split(",") if entry.strip()]
+    except ValueError as error:
+        raise ImproperlyConfigured(
+            f"LOOM_METRICS_NETWORKS: {error}; give networks as CIDRs, e.g. 10.0.0.0/8,fd00::/8"
+        ) from None
+
+
+# GET /metrics (loom/operations) answers a scraper that sends `Authorization: Bearer <LOOM_METRICS_TOKEN>`
+# (unset: no token opens it) or whose address (accounts/client_address.py) is inside one of these
+# comma-separated networks (default: this host only).
+LOOM_METRICS_TOKEN = os.environ.get("LOOM_METRICS_TOKEN", "")
+LOOM_METRICS_NETWORKS = metrics_networks(os.environ.get("LOOM_METRICS_NETWORKS", "127.0.0.0/8,::1/128"))
+
+# text: each record's message alone, as a developer's console reads best; json: one object a line (time,
+# level, logger, message, and the run and attempt it was logged for) from every process, for a log pipeline.
+LOOM_LOG_FORMAT = os.environ.get("LOOM_LOG_FORMAT", "text")
+if LOOM_LOG_FORMAT not in ("text", "json"):
+    raise ImproperlyConfigured(f"LOOM_LOG_FORMAT must be text or json, not {LOOM_LOG_FORMAT!r}")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "filters": {"run_context": {"()": "loom.operations.structured_logs.RunContextFilter"}},
+    "formatters": {"json": {"()": "loom.operations.structured_logs.JsonFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "filters": ["run_context"]}},
     "loggers": {
         "loom": {"handlers": ["console"], "level": "INFO"},
         # A failed request's traceback reaches stderr with DEBUG off too (Django's own console is DEBUG-only).
         "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
     },
 }
+if LOOM_LOG_FORMAT == "json":
+    # Every library's records too, each once, through the one JSON handler at the root: loom's, Django's
+    # (without its DEBUG-only console), uvicorn's (configured before this, so taken over here). Celery sets up
+    # its worker's own handlers after this and turns them to JSON (loom/celery.py).
+    LOGGING["handlers"]["console"]["formatter"] = "json"
+    LOGGING["root"] = {"handlers": ["console"], "level": "INFO"}
+    LOGGING["loggers"] = {
+        "loom": {"level": "INFO"},
+        "django": {"level": "INFO"},
+        "django.request": {"level": "ERROR"},
+        "uvicorn": {"level": "INFO", "propagate": True},
+        "uvicorn.access": {"level": "INFO", "propagate": True},
+    }

@@ -1,9 +1,11 @@
 from django.urls import include, path
 
 from loom.api.urls import api
+from loom.operations.views import metrics
 
 urlpatterns = [
     path("api/", api.urls),
+    path("metrics", metrics),
     path("", include("loom.runs.page_urls")),
     path("", include("loom.planner.page_urls")),
     path("", include("loom.checkpoints.page_urls")),

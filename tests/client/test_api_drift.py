@@ -2,6 +2,8 @@
 its token reads it: every method and path template the client calls, each query parameter and body field it
 sends and each field it reads from an answer must be in the document."""
 
+from typing import get_args
+
 import pytest
 from django.test import Client
 
@@ -13,8 +15,9 @@ pytestmark = pytest.mark.django_db
 # What each route answers, as the client reads it; a list answer is read item by item.
 ANSWERS = {
     routes.SUBMIT_RUN: models.CreatedRun,
-    routes.LIST_RUNS: models.Run,
+    routes.LIST_RUNS: models.RunPage,
     routes.SHOW_RUN: models.RunDetail,
+    routes.EDIT_RUN: models.RunDetail,
     routes.CANCEL_RUN: models.RunDetail,
     routes.RUN_EVENTS: models.EventPage,
     routes.RANK_LOG: models.LogTail,
@@ -22,6 +25,16 @@ ANSWERS = {
     routes.RESTORE: models.Restored,
     routes.RUN_ALERTS: models.Alert,
 }
+
+
+class ColouredRun(models.ListedRun):
+    """A listed run with a field no answer has: the check must find it inside a page."""
+
+    colour: str
+
+
+class Paged(models.Answer):
+    runs: list[ColouredRun]
 
 
 @pytest.fixture
@@ -64,11 +77,30 @@ def answer_problems(document: dict, route: Route, model) -> list[str]:
     if operation is None:
         return [f"{route.method} {route.path} is not in the document"]
     success = next(answer for status, answer in operation["responses"].items() if status.startswith("2"))
-    schema = resolved(document, success["content"]["application/json"]["schema"])
+    return _model_problems(
+        document, success["content"]["application/json"]["schema"], model, f"{route.path}: the answer"
+    )
+
+
+def _model_problems(document: dict, schema: dict, model, where: str) -> list[str]:
+    """The fields of `model`, and of the models nested in it (a run page's runs), missing from `schema`."""
+    schema = resolved(document, schema)
     if schema.get("type") == "array":
         schema = resolved(document, schema["items"])
     documented = schema.get("properties", {})
-    return [f"{route.path}: the answer has no field {name!r}" for name in model.model_fields if name not in documented]
+    problems = []
+    for name, field in model.model_fields.items():
+        if name not in documented:
+            problems.append(f"{where} has no field {name!r}")
+            continue
+        nested = next((kind for kind in (field.annotation, *get_args(field.annotation)) if _is_model(kind)), None)
+        if nested is not None:
+            problems += _model_problems(document, documented[name], nested, f"{where}'s {name}")
+    return problems
+
+
+def _is_model(kind) -> bool:
+    return isinstance(kind, type) and issubclass(kind, models.Answer)
 
 
 def test_every_route_the_client_calls_is_in_the_document_with_what_it_sends(document):
@@ -85,6 +117,9 @@ def test_the_check_catches_a_wrong_path_a_wrong_method_and_an_unknown_parameter(
         "GET /api/run/{run_id} is not in the document"
     ]
     assert request_problems(document, Route("DELETE", "/api/runs/{run_id}")) != []
+    assert request_problems(document, Route("PATCH", "/api/runs/{run_id}", body=("tags", "colour"))) == [
+        "/api/runs/{run_id}: no body field 'colour'"
+    ]
     assert request_problems(document, Route("GET", "/api/runs/{run_id}/events", query=("after", "since"))) == [
         "/api/runs/{run_id}/events: no query parameter 'since'"
     ]
@@ -94,3 +129,10 @@ def test_the_check_catches_a_wrong_path_a_wrong_method_and_an_unknown_parameter(
     assert answer_problems(document, routes.SHOW_RUN, models.CreatedRun) == [
         "/api/runs/{run_id}: the answer has no field 'warnings'"
     ]
+    # Into the models an answer nests: a run page's runs.
+    assert answer_problems(document, routes.LIST_RUNS, models.RunPage) == []
+    assert answer_problems(document, routes.SHOW_RUN, models.RunPage) == [
+        "/api/runs/{run_id}: the answer has no field 'runs'",
+        "/api/runs/{run_id}: the answer has no field 'next_cursor'",
+    ]
+    assert answer_problems(document, routes.LIST_RUNS, Paged) == ["/api/runs: the answer's runs has no field 'colour'"]

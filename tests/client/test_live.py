@@ -146,7 +146,7 @@ def test_config_get_submitted_again_gives_the_same_config_and_cancelled_runs_exi
 
 
 def test_an_invalid_config_prints_the_fields_the_api_refused_and_exits_2(loom, client, tmp_path):
-    before = len(client.runs())
+    before = len(list(client.runs()))
     broken = tmp_path / "broken.yaml"
     broken.write_text(yaml.safe_dump({**TRAINING, "model": {**TRAINING["model"], "heads": 5}, "steps": 0}))
     refused = loom("run", "submit", str(broken))
@@ -154,7 +154,7 @@ def test_an_invalid_config_prints_the_fields_the_api_refused_and_exits_2(loom, c
     lines = refused.stderr.splitlines()
     assert any(line.startswith("config.model.heads: ") for line in lines), refused.stderr
     assert any(line.startswith("config.steps: ") for line in lines), refused.stderr
-    assert len(client.runs()) == before
+    assert len(list(client.runs())) == before
 
 
 def test_a_bad_token_is_refused_over_http_and_over_the_websocket(trained, loom, deployment):
@@ -192,3 +192,20 @@ def test_the_installed_command_lists_runs_by_state_and_name(trained, deployment,
     assert listed.returncode == 0, listed.stderr
     assert re.search(rf"^\W*{run_id}\W+cli live\W+succeeded\b", listed.stdout, re.MULTILINE), listed.stdout
     assert "copy" not in listed.stdout
+
+
+def test_a_run_tagged_is_found_by_its_tag_and_an_archived_one_leaves_the_list(trained, loom, client):
+    run_id, _ = trained
+    tagged = loom("run", "tag", str(run_id), "Live", "cli")
+    assert (tagged.exit_code, tagged.stdout.strip()) == (0, f"run {run_id} (cli live): tags cli, live"), tagged.output
+    assert [run.id for run in client.runs(tag="live")] == [run_id]
+    listed = loom("runs", "--tag", "live", "--state", "succeeded", COLUMNS="200")
+    # Its latest attempt's layout: the restore above moved it to dp_shard 2.
+    assert re.search(rf"^\W*{run_id}\W+cli live\W+succeeded\W+dp_shard 2\W+{STEPS}/{STEPS}\b", listed.stdout,
+                     re.MULTILINE), listed.stdout  # fmt: skip
+    assert loom("run", "archive", str(run_id)).exit_code == 0
+    assert run_id not in [run.id for run in client.runs()]
+    assert [run.id for run in client.runs(archived=True)] == [run_id]
+    assert loom("run", "unarchive", str(run_id)).exit_code == 0
+    assert loom("run", "untag", str(run_id), "live", "cli").stdout.strip() == f"run {run_id} (cli live): tags none"
+    assert run_id in [run.id for run in client.runs()]

@@ -291,7 +291,7 @@ def test_the_checkpoint_table_shows_why_each_is_pinned_and_pins_and_unpins(histo
 def test_restore_form_puts_layout_errors_beside_their_inputs_then_starts_a_new_attempt(history, open_logged_in):
     run, checkpoints, _ = history
     page = open_run(open_logged_in, run.pk)
-    runs_before = len(api_get(page, "/api/runs"))
+    runs_before = len(api_get(page, "/api/runs")["runs"])
     open_restore(page, 20)
     expect(page.locator("#restore-title")).to_have_text("Restore step 20 (attempt 2, dp_replicate 2)")
     expect(page.locator('input[name="restore-mode"][value="attempt"]')).to_be_checked()
@@ -309,7 +309,7 @@ def test_restore_form_puts_layout_errors_beside_their_inputs_then_starts_a_new_a
     # The sequence length has no input here: its error goes to the top of the form.
     expect(page.locator("#restore-errors")).to_contain_text("config.model.seq_len:")
     expect(page.locator(".input:has(#restore-parallel-tp)")).to_have_class(re.compile("has-error"))
-    assert len(api_get(page, "/api/runs")) == runs_before
+    assert len(api_get(page, "/api/runs")["runs"]) == runs_before
     assert len(api_get(page, f"/api/runs/{run.pk}")["attempts"]) == 2
 
     page.fill("#restore-parallel-tp", "1")
@@ -328,7 +328,7 @@ def test_restore_form_puts_layout_errors_beside_their_inputs_then_starts_a_new_a
         2,
         checkpoints[20],
     )
-    assert len(api_get(page, "/api/runs")) == runs_before
+    assert len(api_get(page, "/api/runs")["runs"]) == runs_before
 
 
 def test_a_fork_from_the_form_opens_the_new_run_which_links_back(history, open_logged_in):

@@ -92,8 +92,17 @@ def test_run_list_shows_the_newest_run_first_as_the_api_does(logged_in, ada):
     page = logged_in.get("/").content.decode()
     listed = [int(run_id) for run_id in re.findall(r'<tr data-run="(\d+)">', page)]
     assert listed == [run.pk for run in reversed(runs)]
-    assert [run["id"] for run in logged_in.get("/api/runs").json()] == listed
+    assert [run["id"] for run in logged_in.get("/api/runs").json()["runs"]] == listed
     assert logged_in.get("/runs/", follow=True).redirect_chain == [("/", 302)]
+
+
+@pytest.mark.django_db
+def test_run_list_names_a_bad_filter_instead_of_listing_runs(logged_in, adas_run):
+    response = logged_in.get("/?state=sleeping&sort=size&cursor=nope")
+    assert response.status_code == 400
+    page = response.content.decode()
+    assert "state: unknown states [&#x27;sleeping&#x27;]" in page and "sort: cannot sort by" in page
+    assert f'data-run="{adas_run.pk}"' not in page
 
 
 @pytest.mark.django_db

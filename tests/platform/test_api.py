@@ -129,7 +129,7 @@ def test_list_and_detail_show_only_own_runs(client, platform_user, other_user, t
     theirs, _, _ = claimed_run(other_user, "theirs")
     token = token_for(platform_user[0])
     listed = api(client, "get", "/api/runs", token).json()
-    assert [r["name"] for r in listed] == ["mine"]
+    assert [r["name"] for r in listed["runs"]] == ["mine"]
     detail = api(client, "get", f"/api/runs/{mine.pk}", token)
     assert detail.status_code == 200 and detail.json()["attempts"][0]["state"] == states.STARTING
     for path in (f"/api/runs/{theirs.pk}", f"/api/runs/{theirs.pk}/events", f"/api/runs/{theirs.pk}/attempts/1/logs/0"):
@@ -194,6 +194,7 @@ def test_session_auth_requires_csrf_for_writes(platform_user):
         ("get", "/api/runs"),
         ("post", "/api/runs"),
         ("get", "/api/runs/{id}"),
+        ("patch", "/api/runs/{id}"),
         ("get", "/api/runs/{id}/events"),
         ("post", "/api/runs/{id}/cancel"),
         ("get", "/api/runs/{id}/attempts/1/logs/0"),
@@ -202,8 +203,9 @@ def test_session_auth_requires_csrf_for_writes(platform_user):
 def test_anonymous_and_bad_token_are_refused_everywhere(client, platform_user, method, path):
     run, _, _ = claimed_run(platform_user[0])
     url = path.format(id=run.pk)
-    assert api(client, method, url, body={} if method == "post" else None).status_code == 401
-    assert api(client, method, url, token="loom_wrong", body={} if method == "post" else None).status_code == 401
+    body = {} if method in ("post", "patch") else None
+    assert api(client, method, url, body=body).status_code == 401
+    assert api(client, method, url, token="loom_wrong", body=body).status_code == 401
     run.refresh_from_db()
     assert run.state == states.STARTING
 

@@ -27,7 +27,7 @@ from loom.accounts.services import create_api_token
 from loom.alerts.models import Alert, Webhook
 from loom.checkpoints.models import Checkpoint, Pin
 from loom.datasets.models import CheckpointExport, Dataset, PretrainedModel
-from loom.runs.models import Attempt, Run
+from loom.runs.models import Attempt, Run, RunTag
 
 from .helpers import TINY_CONFIG, claimed_run
 
@@ -63,6 +63,7 @@ PUBLIC = {
     ("api/", "GET"): "the API's root: a redirect to its docs page, which asks to log in",
     ("api/ingest", "POST"): "telemetry from the ranks, authenticated by the attempt's own token, not a user's",
     ("api/checkpoints/pinned", "GET"): "a running attempt's retention asks with the attempt's own token",
+    ("metrics", "GET"): "Prometheus' scrape: the metrics token or an allowed network (test_operator_metrics.py)",
 }
 # Of those, the routes that take an attempt's token and nothing else.
 FOR_ATTEMPTS = [("api/ingest", "POST"), ("api/checkpoints/pinned", "GET")]
@@ -88,6 +89,7 @@ MATRIX = {
     ("api/runs", "GET"): everyones(),
     ("api/runs", "POST"): everyones(body={"name": "b's run", "config": TINY_CONFIG}),
     ("api/runs/<run_id>", "GET"): Ask(),
+    ("api/runs/<run_id>", "PATCH"): Ask(body={"name": "b's now", "tags": ["taken"], "archived": True}),
     ("api/runs/<run_id>/events", "GET"): Ask(),
     ("api/runs/<run_id>/cancel", "POST"): Ask(),
     ("api/runs/<run_id>/attempts/<number>/logs/<rank>", "GET"): Ask(),
@@ -226,6 +228,8 @@ class World:
 def world(platform_user, other_user, runs_dir):
     owner = platform_user[0]
     run, attempt, _ = claimed_run(owner, f"{MARK}-run")
+    Run.objects.filter(pk=run.pk).update(note=f"{MARK}: the note")
+    RunTag.objects.create(run=run, name=MARK)
     alert = Alert.objects.create(
         run=run,
         attempt=attempt,
@@ -280,6 +284,7 @@ def owners_things(owner) -> str:
     """Everything of A's a request could change, as it stands."""
     rows = [
         *Run.objects.filter(owner=owner),
+        *RunTag.objects.filter(run__owner=owner),
         *Attempt.objects.filter(run__owner=owner),
         *Alert.objects.filter(run__owner=owner),
         *Webhook.objects.filter(owner=owner),

@@ -4,12 +4,12 @@ from typing import Any
 from ninja import Router, Schema, Status
 from ninja.errors import HttpError
 
-from loom.api.errors import Body, FieldErrors, Name
+from loom.api.errors import Body, FieldErrors, Name, Text
 from loom.telemetry.models import Event
 from loom.telemetry.services import events_after
 from trainer.config import world_size_of
 
-from . import services
+from . import listing, services
 from .hardware import warnings_for
 from .logs import batches_set_aside, rank_log_files, tail_lines
 
@@ -71,6 +71,17 @@ class AttemptOut(Schema):
         return attempt.config.get("parallel", {})
 
 
+class RunPatchIn(Body):
+    """What PATCH changes; a field left out (or null) stays as it is."""
+
+    name: Name | None = None
+    # The run's whole list of tags, replacing the ones it had.
+    tags: list[str] | None = None
+    note: Text | None = None
+    # True: the run leaves the run list (GET /api/runs?archived=true lists it); false: it comes back.
+    archived: bool | None = None
+
+
 class RunOut(Schema):
     id: int
     name: str
@@ -78,6 +89,44 @@ class RunOut(Schema):
     created_at: datetime
     updated_at: datetime
     last_seq: int
+    tags: list[str]
+    note: str
+    archived: bool
+    archived_at: datetime | None
+
+    @staticmethod
+    def resolve_tags(run):
+        return [tag.name for tag in run.tags.all()]
+
+    @staticmethod
+    def resolve_archived(run):
+        return run.archived_at is not None
+
+
+class ListedRunOut(RunOut):
+    """A run as the list shows it (loom.runs.listing.listed_columns)."""
+
+    # The latest attempt's parallel degrees (dp_replicate, dp_shard, tp, pp, cp, ep) and its ranks.
+    layout: dict[str, int]
+    world_size: int
+    # The latest attempt's highest step reported, of the steps its config runs to; null before its first step.
+    steps_done: int | None
+    steps_total: int
+    last_loss: float | None
+    # Over all ranks: a rank's batch per second × the data-parallel degree, at the latest step that reported it.
+    tokens_per_s: float | None
+    # From its first attempt's start to its latest attempt's end, or to now while it is active; null: not started.
+    duration_s: float | None
+    # Its alerts open or acknowledged, and how many of those are critical.
+    open_alerts: int
+    critical_alerts: int
+
+
+class RunPageOut(Schema):
+    runs: list[ListedRunOut]
+    # Pass one as `cursor` for the next or the previous page; null where there is none.
+    next_cursor: str | None
+    previous_cursor: str | None
 
 
 class RunDetailOut(RunOut):
@@ -151,14 +200,43 @@ def create_run(request, body: RunIn):
     return Status(201, run)
 
 
-@router.get("/runs", response=list[RunOut])
-def list_runs(request):
-    return list(services.runs_for(request.user)[:500])
+@router.get("/runs", response={200: RunPageOut, 400: FieldErrors})
+def list_runs(
+    request,
+    search: str = "",
+    state: str = "",
+    tag: str = "",
+    archived: bool = False,
+    sort: str = listing.SORT_DEFAULT,
+    limit: int = listing.LIMIT_DEFAULT,
+    cursor: str = "",
+):
+    """Your runs, a page at a time: `search` (in the name, a tag or the note, case-insensitive), `state` (one or
+    several, comma-separated), `tag`, `archived` (false: live runs only; true: archived ones only), `sort`
+    (created, updated, name, state; "-" first for the other way; default -created: newest first), `limit` runs
+    (1 to 200), `cursor` (a next_cursor or previous_cursor of the same sort: runs created meanwhile neither
+    repeat nor skip one)."""
+    try:
+        query = listing.run_query(search, state, tag, archived, sort, limit, cursor)
+    except services.RunInputError as error:
+        return Status(400, {"errors": error.errors})
+    return listing.run_page(request.user, query)
 
 
 @router.get("/runs/{run_id}", response=RunDetailOut)
 def run_detail(request, run_id: int):
     return services.run_for(request.user, run_id)
+
+
+@router.patch("/runs/{run_id}", response={200: RunDetailOut, 400: FieldErrors})
+def edit_run(request, run_id: int, body: RunPatchIn):
+    """Rename a run, replace its tags, write its note, archive it or bring it back; a field left out stays as it
+    is. Any bad field changes nothing: 400 names each."""
+    run = services.run_for(request.user, run_id)
+    try:
+        return services.edit_run(run, **body.model_dump(exclude_none=True))
+    except services.RunInputError as error:
+        return Status(400, {"errors": error.errors})
 
 
 @router.get("/runs/{run_id}/events", response={200: EventPage, 400: FieldErrors})

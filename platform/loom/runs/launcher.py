@@ -117,6 +117,7 @@ def launch(attempt_id: int) -> str:
     # A cancel that came while the attempt was being submitted found no handle to stop: stop it now.
     if retrying(lambda: Attempt.objects.filter(pk=attempt.pk, cancel_requested=True).exists()):
         backend.cancel(handle, settings.LOOM_CANCEL_GRACE_S)
+    log.info("attempt %s of run %s submitted to the %s backend", attempt.number, attempt.run_id, backend.name)
     return "submitted"
 
 

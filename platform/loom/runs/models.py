@@ -28,6 +28,11 @@ class Run(models.Model):
     state = models.CharField(max_length=20, choices=states.CHOICES, default=states.QUEUED)
     # The highest event seq handed out; events take seq numbers under a row lock on the run.
     last_seq = models.BigIntegerField(default=0)
+    # Whatever its owner wants to remember about it (what it tried, what came of it).
+    note = models.TextField(blank=True)
+    # When its owner archived it: an archived run leaves the run list but keeps everything, and is restored by
+    # clearing this; null while it is live.
+    archived_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -37,6 +42,20 @@ class Run(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.pk} {self.name}"
+
+
+class RunTag(models.Model):
+    """A label its owner put on a run ("baseline", "lr-sweep"), to find it by in the run list."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="tags")
+    name = models.CharField(max_length=40)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [models.UniqueConstraint(fields=["run", "name"], name="run_tag_unique_per_run")]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class Attempt(models.Model):

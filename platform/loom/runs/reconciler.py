@@ -18,6 +18,8 @@ from pathlib import Path
 from django.conf import settings
 from django.utils import timezone
 
+from loom.operations.services import RECONCILE, record_pass
+from loom.operations.structured_logs import run_context
 from loom.telemetry.models import Event
 from trainer.config import world_size_of
 
@@ -67,7 +69,10 @@ def reconcile(send_launch) -> Pass:
         backend = backend_named(name)
         observations = backend.observe({attempt.pk: attempt.backend_handle for attempt in attempts})
         for attempt in attempts:
-            _act(backend, attempt, observations.get(attempt.pk), done)
+            with run_context(attempt.run_id, attempt.pk):
+                _act(backend, attempt, observations.get(attempt.pk), done)
+    # Only a pass that got here counts: one that raised leaves the lag growing, which is what operators watch.
+    record_pass(RECONCILE)
     return done
 
 
@@ -75,18 +80,24 @@ def _resend_stale_launches(send_launch, done: Pass) -> None:
     now = timezone.now()
     stale_before = now - timedelta(seconds=settings.LOOM_RELAUNCH_AFTER_S)
     waiting = Attempt.objects.filter(state=states.QUEUED, token_hash="", launch_sent_at__lt=stale_before)
-    for attempt_id, sent_at in waiting.values_list("id", "launch_sent_at"):
-        # Only the pass whose update moves launch_sent_at on sends: two reconcilers never both do.
-        if Attempt.objects.filter(pk=attempt_id, state=states.QUEUED, launch_sent_at=sent_at).update(
-            launch_sent_at=now
-        ):
-            try:
-                send_launch(attempt_id)
-            except Exception as error:  # the broker still down: the next pass tries again
-                log.warning("could not send the launch of attempt %s again: %s", attempt_id, error)
-                Attempt.objects.filter(pk=attempt_id, launch_sent_at=now).update(launch_sent_at=sent_at)
-                continue
-            done.relaunched.append(attempt_id)
+    for attempt_id, run_id, sent_at in waiting.values_list("id", "run_id", "launch_sent_at"):
+        with run_context(run_id, attempt_id):
+            _resend_launch(send_launch, attempt_id, sent_at, now, done)
+
+
+def _resend_launch(send_launch, attempt_id: int, sent_at, now, done: Pass) -> None:
+    # Only the pass whose update moves launch_sent_at on sends: two reconcilers never both do.
+    if not Attempt.objects.filter(pk=attempt_id, state=states.QUEUED, launch_sent_at=sent_at).update(
+        launch_sent_at=now
+    ):
+        return
+    try:
+        send_launch(attempt_id)
+    except Exception as error:  # the broker still down: the next pass tries again
+        log.warning("could not send the launch of attempt %s again: %s", attempt_id, error)
+        Attempt.objects.filter(pk=attempt_id, launch_sent_at=now).update(launch_sent_at=sent_at)
+        return
+    done.relaunched.append(attempt_id)
 
 
 def _fail_orphaned_claims(done: Pass) -> None:
@@ -100,8 +111,9 @@ def _fail_orphaned_claims(done: Pass) -> None:
         else:
             why = "the worker launching this attempt stopped before it handed the attempt to the launch backend"
             ending = Ending(states.FAILED, reason=why, failure=Failure(WORKER_LOST, why))
-        if end_attempt(attempt.pk, ending):
-            done.ended.append(attempt.pk)
+        with run_context(attempt.run_id, attempt.pk):
+            if end_attempt(attempt.pk, ending):
+                done.ended.append(attempt.pk)
 
 
 def _act(backend, attempt: Attempt, observation: Observation | None, done: Pass) -> None:

@@ -15,7 +15,7 @@ from trainer.config import ConfigError, parse_config
 
 from . import states
 from .limits import launch_limit_errors, owner_limit_errors
-from .models import Attempt, Run
+from .models import Attempt, Run, RunTag
 
 # Celery task names (loom.runs.tasks), sent by name: the tasks import this module, not the other way round.
 LAUNCH_TASK = "loom.launch_attempt"
@@ -43,11 +43,7 @@ def validate_run_input(
     directory, and resumes from a checkpoint of `owner`'s by reference (resolved_resume), which the stored config
     holds as that checkpoint's path. A dataset and starting weights are `owner`'s too, named by reference
     (loom.datasets.references), which the stored config keeps: the launcher gives the ranks their directories."""
-    errors: dict[str, str] = {}
-    if not isinstance(name, str) or not name.strip():
-        errors["name"] = "is required"
-    elif len(name.strip()) > 200:
-        errors["name"] = "must be at most 200 characters"
+    errors: dict[str, str] = name_errors(name)
     config = None
     placement_errors, document, source = resolved_resume(document, owner)
     errors.update(placement_errors)
@@ -71,6 +67,14 @@ def validate_run_input(
     if errors:
         raise RunInputError(errors)
     return name.strip(), clean_config, estimate, source, sources
+
+
+def name_errors(name) -> dict[str, str]:
+    if not isinstance(name, str) or not name.strip():
+        return {"name": "is required"}
+    if len(name.strip()) > 200:
+        return {"name": "must be at most 200 characters"}
+    return {}
 
 
 RESUME_REFERENCES = (
@@ -194,6 +198,52 @@ def run_for(user, run_id: int) -> Run:
     run = Run.objects.filter(owner=user, pk=run_id).first()
     if run is None:
         raise Http404("no such run")
+    return run
+
+
+TAG = re.compile(r"^[a-z0-9][a-z0-9._:/-]{0,39}$")
+TAGS_MAX = 20
+TAG_RULE = (
+    f"a tag is 1 to 40 letters, digits and . _ : / - (kept in lower case, starting with a letter or digit), "
+    f"at most {TAGS_MAX} a run"
+)
+NOTE_MAX = 10_000
+
+
+def edit_run(run: Run, *, name=None, tags=None, note=None, archived=None) -> Run:
+    """Rename a run, replace its tags, write its note, archive or restore it; None leaves that as it is. A bad
+    field changes nothing: RunInputError names each."""
+    errors = name_errors(name) if name is not None else {}
+    clean_tags = []
+    for tag in tags or []:
+        clean = tag.strip().lower()
+        if not TAG.match(clean):
+            errors.setdefault("tags", f"{tag!r} is not a tag: {TAG_RULE}")
+        elif clean not in clean_tags:
+            clean_tags.append(clean)
+    if len(clean_tags) > TAGS_MAX:
+        errors.setdefault("tags", f"{len(clean_tags)} tags are too many: {TAG_RULE}")
+    if note is not None and len(note) > NOTE_MAX:
+        errors["note"] = f"must be at most {NOTE_MAX:,} characters"
+    if errors:
+        raise RunInputError(errors)
+    with transaction.atomic():
+        # Two edits at once replace the tags one after the other, never both deleting and adding them.
+        run = Run.objects.select_for_update().get(pk=run.pk)
+        changed = ["updated_at"]
+        if name is not None:
+            run.name = name.strip()
+            changed.append("name")
+        if note is not None:
+            run.note = note
+            changed.append("note")
+        if archived is not None and archived != (run.archived_at is not None):
+            run.archived_at = timezone.now() if archived else None
+            changed.append("archived_at")
+        if tags is not None:
+            run.tags.all().delete()
+            RunTag.objects.bulk_create([RunTag(run=run, name=tag) for tag in clean_tags])
+        run.save(update_fields=changed)
     return run
 
 

@@ -2,17 +2,14 @@
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Count, Q
 from django.http import Http404
 from django.shortcuts import redirect, render
 from django.urls import reverse
 
-from loom.alerts.detectors import CRITICAL
-from loom.alerts.models import Alert
 from loom.datasets.services import designer_sources
 from trainer.config import RunConfig
 
-from . import services, states
+from . import listing, services, states
 from .forms import NewRunForm, field_label, restore_inputs
 from .hardware import warnings_for
 
@@ -33,21 +30,81 @@ COMPARE_CHARTS = [
 COMPARE_RUNS_MAX = 8
 
 
+# The run list's sort choices, as its form names them.
+SORT_LABELS = {
+    "-created": "newest first",
+    "created": "oldest first",
+    "-updated": "changed last",
+    "name": "name, A to Z",
+    "-name": "name, Z to A",
+    "state": "state",
+}
+
+
 @login_required
 def run_list(request):
-    """Each run with how many of its alerts are live and how many of those are critical."""
-    live = Q(alerts__state__in=Alert.LIVE)
-    # Newest first, as the API lists them; ordered here because Django leaves Meta.ordering out of a
-    # query that groups rows, and the alert counts group them.
-    runs = (
-        services.runs_for(request.user)
-        .annotate(
-            live_alerts=Count("alerts", filter=live),
-            critical_alerts=Count("alerts", filter=live & Q(alerts__severity=CRITICAL)),
+    """The run list of the API (loom.runs.listing): search, state and tag filters, sort, pages by cursor and, behind
+    a toggle, the archived runs. A bad parameter is shown above the list instead of runs."""
+    asked = request.GET
+    try:
+        limit = int(asked.get("limit") or listing.LIMIT_DEFAULT)
+    except ValueError:
+        limit = 0
+    try:
+        query = listing.run_query(
+            search=asked.get("search", ""),
+            state=asked.get("state", ""),
+            tag=asked.get("tag", ""),
+            archived=asked.get("archived") == "true",
+            sort=asked.get("sort") or listing.SORT_DEFAULT,
+            limit=limit,
+            cursor=asked.get("cursor", ""),
         )
-        .order_by("-created_at", "-id")
-    )
-    return render(request, "runs/list.html", {"runs": runs})
+    except services.RunInputError as error:
+        context = {"errors": error.errors, "query": listing.RunQuery(), "asked": asked, "sorts": SORT_LABELS}
+        return render(request, "runs/list.html", context | _filter_choices(request.user), status=400)
+    page = listing.run_page(request.user, query)
+    for run in page.runs:
+        run.layout_text = layout_text(run.layout)
+        run.duration_text = duration_text(run.duration_s)
+    context = {
+        "runs": page.runs,
+        "query": query,
+        "asked": asked,
+        "sorts": SORT_LABELS,
+        "next_url": _with_cursor(asked, page.next_cursor),
+        "previous_url": _with_cursor(asked, page.previous_cursor),
+        "filtered": bool(query.search or query.states or query.tag or query.cursor),
+    }
+    return render(request, "runs/list.html", context | _filter_choices(request.user))
+
+
+def _filter_choices(user) -> dict:
+    return {"states": list(states.TRANSITIONS), "tags": listing.tags_of(user)}
+
+
+def _with_cursor(asked, cursor: str | None) -> str | None:
+    if cursor is None:
+        return None
+    query = asked.copy()
+    query["cursor"] = cursor
+    return f"?{query.urlencode()}"
+
+
+def layout_text(layout: dict[str, int]) -> str:
+    """The degrees above 1, "dp_shard 2, tp 2"; "1 rank" where there is none."""
+    return ", ".join(f"{degree} {size}" for degree, size in layout.items() if size > 1) or "1 rank"
+
+
+def duration_text(seconds: float | None) -> str:
+    """3h 05m, 4m 10s, 12s; empty for a run that has not started."""
+    if seconds is None:
+        return ""
+    whole = int(seconds)
+    hours, minutes, left = whole // 3600, whole // 60 % 60, whole % 60
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {left:02d}s" if minutes else f"{left}s"
 
 
 @login_required
@@ -82,6 +139,7 @@ def run_detail(request, run_id: int):
         "runId": run.pk,
         "apiUrl": reverse("api:run_detail", args=[run.pk]),
         "urls": {
+            "runList": reverse("run-list"),
             "checkpoints": reverse("api:run_checkpoints", args=[run.pk]),
             "resilience": reverse("api:run_resilience", args=[run.pk]),
             "restore": reverse("api:restore", args=[run.pk]),

@@ -3,6 +3,8 @@ from django.http import JsonResponse
 from ninja import Router, Status
 from pydantic import ValidationError
 
+from loom.operations.metrics import count_ingest_answer
+from loom.operations.structured_logs import run_context
 from loom.runs import services as run_services
 from loom.runs.api import FieldErrors
 from trainer.config import field_errors
@@ -89,21 +91,30 @@ def ingest(request):
     Under ASGI the endpoint in ingest_app.py answers this path with the same rules (ingest.py) and
     group-commits; this route documents it and serves the Django test client and WSGI.
     """
+    status, answer = _ingest(request)
+    count_ingest_answer(status, answer.get("stored", 0) if status == 200 else 0)
+    return JsonResponse(answer, status=status)
+
+
+def _ingest(request) -> tuple[int, dict]:
     try:
         attempt = attempt_for_token(bearer(request.headers.get("Authorization", "")))
-        refuse_unless_json(request.headers.get("Content-Type", ""))
-        try:
-            body = request.body
-        except RequestDataTooBig:
-            raise too_large() from None
-        batch = read_batch(attempt, body)
     except IngestRejected as rejected:
-        return JsonResponse(rejected.answer(), status=rejected.status)
-    except ValidationError as error:
-        return JsonResponse({"errors": field_errors(error)}, status=400)
-    (result,) = store_batches([batch])
-    status, answer = result_answer(batch, result)
-    return JsonResponse(answer, status=status)
+        return rejected.status, rejected.answer()
+    with run_context(attempt.run_id, attempt.attempt_id):
+        try:
+            refuse_unless_json(request.headers.get("Content-Type", ""))
+            try:
+                body = request.body
+            except RequestDataTooBig:
+                raise too_large() from None
+            batch = read_batch(attempt, body)
+        except IngestRejected as rejected:
+            return rejected.status, rejected.answer()
+        except ValidationError as error:
+            return 400, {"errors": field_errors(error)}
+        (result,) = store_batches([batch])
+        return result_answer(batch, result)
 
 
 # ---- what the run page's charts read (charts.py); plain dicts, sized to the chart ----

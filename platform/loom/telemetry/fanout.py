@@ -12,6 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from loom.operations.metrics import SEND_FAILED, fanout_dropped_messages, fanout_events, fanout_messages
+
 log = logging.getLogger(__name__)
 
 Send = Callable[[int, list[dict]], None]
@@ -43,10 +45,14 @@ class Coalescer:
         self._last_flush = time.monotonic()
         for run_id, events in pending.items():
             events.sort(key=lambda event: event["seq"])
+            fanout_events.inc(len(events))
             try:
                 self._send(run_id, events)
             except Exception:
+                fanout_dropped_messages.labels(SEND_FAILED).inc()
                 log.exception("fan-out of %d events for run %s failed; pages will resync", len(events), run_id)
+            else:
+                fanout_messages.inc()
 
     def _loop(self) -> None:
         while True:

@@ -17,13 +17,17 @@ from django.conf import settings
 from django.db import DataError
 from pydantic import ValidationError
 
+from loom.operations.metrics import count_ingest_answer
+from loom.operations.structured_logs import run_context
 from trainer.config import field_errors
 
 from .ingest import bearer, read_batch, refuse_unless_json, result_answer, too_large
-from .services import IngestRejected, attempt_for_token, known_attempt
+from .services import AttemptRef, IngestRejected, attempt_for_token, known_attempt
 from .writer import WriterBusy, writer
 
 log = logging.getLogger(__name__)
+
+Headers = list[tuple[bytes, bytes]]
 
 # Token lookups on a cache miss and the JSON/schema work of large batches run off the event loop;
 # small batches are read on it, which is cheaper than a thread hop.
@@ -34,52 +38,57 @@ DISCARD_LIMIT_BYTES = 64 * 1024 * 1024
 
 
 async def ingest_endpoint(scope, receive, send) -> None:
-    """Every answer is JSON, an unexpected error included (logged with its traceback, answered 500)."""
+    """Every answer is JSON, an unexpected error included (logged with its traceback, answered 500), and
+    counted for /metrics."""
     try:
-        await _ingest(scope, receive, send)
+        status, document, headers = await _ingest(scope, receive)
     except Exception:
         log.exception("ingest failed unexpectedly")
-        await _answer(
-            send, 500, {"errors": {"server": "ingest failed unexpectedly; the error is in the platform's log"}}
+        status, document, headers = (
+            500,
+            {"errors": {"server": "ingest failed unexpectedly; the error is in the platform's log"}},
+            [],
         )
+    count_ingest_answer(status, document.get("stored", 0) if status == 200 else 0)
+    await _answer(send, status, document, headers)
 
 
-async def _ingest(scope, receive, send) -> None:
+async def _ingest(scope, receive) -> tuple[int, dict, Headers]:
     if scope["method"] != "POST":
-        await _answer(send, 405, {"errors": {"method": "POST a telemetry batch"}}, [(b"allow", b"POST")])
-        return
+        return 405, {"errors": {"method": "POST a telemetry batch"}}, [(b"allow", b"POST")]
     headers = dict(scope["headers"])
     try:
         body = await _body(receive, settings.LOOM_INGEST_MAX_BYTES)
         token = bearer(headers.get(b"authorization", b"").decode("latin-1"))
         attempt = known_attempt(token) or await _attempt_for_token(token)
+    except IngestRejected as rejected:
+        return rejected.status, rejected.answer(), []
+    with run_context(attempt.run_id, attempt.attempt_id):
+        return await _store(attempt, headers, body)
+
+
+async def _store(attempt: AttemptRef, headers: dict[bytes, bytes], body: bytes) -> tuple[int, dict, Headers]:
+    try:
         refuse_unless_json(headers.get(b"content-type", b"").decode("latin-1"))
         batch = read_batch(attempt, body) if len(body) <= SMALL_BODY_BYTES else await _read_batch(attempt, body)
     except IngestRejected as rejected:
-        await _answer(send, rejected.status, rejected.answer())
-        return
+        return rejected.status, rejected.answer(), []
     except ValidationError as error:
-        await _answer(send, 400, {"errors": field_errors(error)})
-        return
+        return 400, {"errors": field_errors(error)}, []
     try:
         result = await writer.submit_from_loop(batch)
     except WriterBusy as busy:
-        await _answer(send, 503, {"errors": {"server": f"{busy}; retry"}}, [(b"retry-after", b"1")])
-        return
+        return 503, {"errors": {"server": f"{busy}; retry"}}, [(b"retry-after", b"1")]
     except (DataError, psycopg.DataError) as error:
         # Validation should have refused it; the database's word is final for this batch, so the sender
         # must not retry it.
         log.exception("the database refused batch %s of rank %s (attempt %s)", batch.seq, batch.rank, batch.attempt_id)
-        await _answer(send, 400, {"errors": {"events": f"the database refused them: {error}"}})
-        return
+        return 400, {"errors": {"events": f"the database refused them: {error}"}}, []
     except Exception:
         log.exception("storing batch %s of rank %s (attempt %s) failed", batch.seq, batch.rank, batch.attempt_id)
-        await _answer(
-            send, 503, {"errors": {"server": "the batch could not be stored; retry"}}, [(b"retry-after", b"1")]
-        )
-        return
+        return 503, {"errors": {"server": "the batch could not be stored; retry"}}, [(b"retry-after", b"1")]
     status, answer = result_answer(batch, result)
-    await _answer(send, status, answer)
+    return status, answer, []
 
 
 async def _body(receive, limit: int) -> bytes:
@@ -103,7 +112,7 @@ async def _body(receive, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _answer(send, status: int, document: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def _answer(send, status: int, document: dict, headers: Headers) -> None:
     body = json.dumps(document).encode()
     await send(
         {

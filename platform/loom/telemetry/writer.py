@@ -66,8 +66,12 @@ class IngestWriter:
         self._enqueue(batch, LoopWaiter(loop, future))
         return future
 
+    def waiting(self) -> int:
+        """Batches queued and not yet taken into a transaction."""
+        return self._queue.qsize()
+
     def _enqueue(self, batch: PendingBatch, waiter: Waiter) -> None:
-        if self._queue.qsize() >= self._max_waiting:
+        if self.waiting() >= self._max_waiting:
             raise WriterBusy(f"{self._max_waiting} batches are waiting to be written")
         self._queue.put((batch, waiter))
         with self._start_lock:

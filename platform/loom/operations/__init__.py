@@ -1,0 +1,1 @@
+"""What operators watch: GET /metrics for Prometheus, the last pass of periodic jobs, structured logs."""
