@@ -454,15 +454,31 @@ class Deployment:
     def end_every_run(self, timeout: float = 60.0) -> None:
         """Cancel every run still active, then SIGKILL any attempt's process the cancels left: a run one test
         left training must neither take the next test's CPU nor come back as a restart."""
-        answer = self.api("GET", "/runs")
-        for run in answer.body if answer.status == 200 else []:
-            if run["state"] not in ("succeeded", "failed", "cancelled"):
-                self.cancel(run["id"])
+        for run in self.active_runs():
+            self.cancel(run["id"])
         try:
             wait_until(lambda: not self.attempt_processes(), timeout, "the cancelled attempts' processes to end")
         except AssertionError:
             for pid in self.attempt_processes():
                 signal_quietly(pid, signal.SIGKILL)
+
+    def active_runs(self) -> list[dict]:
+        """Every run not yet ended, archived or not, page after page; none when the API does not answer."""
+        active = []
+        for archived in ("false", "true"):
+            cursor = ""
+            while True:
+                page = f"&cursor={cursor}" if cursor else ""
+                answer = self.api("GET", f"/runs?archived={archived}&limit=200{page}")
+                if answer.status != 200:
+                    break
+                active += [
+                    run for run in answer.body["runs"] if run["state"] not in ("succeeded", "failed", "cancelled")
+                ]
+                cursor = answer.body["next_cursor"]
+                if not cursor:
+                    break
+        return active
 
     def kill_leftovers(self) -> list[str]:
         """SIGKILL whatever of this deployment still runs; returns what it found, to tell a test about it."""

@@ -18,7 +18,7 @@ def test_create_api_user_prints_a_token_that_authenticates_the_api(client):
     assert token.startswith("loom_")
     assert authenticate(RequestFactory().post("/login/"), username="bob", password="pw-for-bob") is not None
     response = client.get("/api/runs", HTTP_AUTHORIZATION=f"Bearer {token}")
-    assert response.status_code == 200 and response.json() == []
+    assert response.status_code == 200 and response.json()["runs"] == []
 
 
 def test_each_call_mints_a_new_token_and_keeps_the_old_ones_valid(client):
