@@ -15,7 +15,7 @@ from .client import LoomClient
 from .credentials import Credentials, load_credentials, save_credentials
 from .documents import DocumentError, load_document, parse_overrides, with_overrides
 from .exit_codes import OUTCOMES, reports_errors
-from .models import Event, RunDetail
+from .models import RunDetail
 from .plan_commands import plan_app
 from .watch_view import WatchView
 
@@ -267,20 +267,10 @@ def watch_to_the_end(client: LoomClient, run_id: int) -> int:
                     break
             after = view.last_seq
         # What was stored up to the end: the last steps may come after the state event that ended the run.
-        view.add(events_after(client, run_id, after))
+        view.add(client.caught_up(run_id, after)[0])
         view.run, view.alerts = client.run(run_id), client.alerts(run_id)
         live.update(view, refresh=True)
     return OUTCOMES[view.run.state]
-
-
-def events_after(client: LoomClient, run_id: int, after: int) -> list[Event]:
-    events = []
-    while True:
-        page = client.events(run_id, after=after)
-        events += page.events
-        after = page.events[-1].seq if page.events else after
-        if not page.more:
-            return events
 
 
 @app.command()

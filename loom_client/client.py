@@ -222,14 +222,14 @@ class LoomClient:
         cursor = after
         while True:
             with self._socket(run_id) as socket:
-                batch, cursor = self._caught_up(run_id, cursor)
+                batch, cursor = self.caught_up(run_id, cursor)
                 if batch:
                     yield batch
                 while True:
                     try:
                         message = json.loads(socket.recv(timeout=idle_s))
                     except TimeoutError:
-                        batch, cursor = self._caught_up(run_id, cursor)
+                        batch, cursor = self.caught_up(run_id, cursor)
                         yield batch
                         continue
                     except ConnectionClosed:
@@ -239,14 +239,15 @@ class LoomClient:
                     if not pushed:
                         continue
                     if pushed[0].seq != cursor + 1:
-                        batch, cursor = self._caught_up(run_id, cursor)
+                        batch, cursor = self.caught_up(run_id, cursor)
                     else:
                         batch, cursor = pushed, pushed[-1].seq
                     yield batch
             # Closed by the platform (a restart, say): open another and fill what was missed from the events API.
             time.sleep(RECONNECT_PAUSE_S)
 
-    def _caught_up(self, run_id: int, cursor: int) -> tuple[list[Event], int]:
+    def caught_up(self, run_id: int, cursor: int) -> tuple[list[Event], int]:
+        """Every stored event with seq > cursor, page after page, and the new cursor."""
         events: list[Event] = []
         while True:
             page = self.events(run_id, after=cursor)
